@@ -1,0 +1,31 @@
+# Every target sets itself up: a fresh clone needs only Python 3.10-3.13 and make.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint unit e2e bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/omni-watchdog demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check omni_watchdog tests benchmarks
+	$(BIN)/ruff format --check omni_watchdog tests benchmarks
+	$(BIN)/mypy omni_watchdog
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
