@@ -320,3 +320,7 @@ class Probe(Protocol):
     name: str
 
     async def collect(self) -> Sequence[Observation]: ...
+
+
+class ProbeError(RuntimeError):
+    """A probe could not look this time; the reason is reported and the others go on."""
