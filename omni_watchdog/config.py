@@ -211,7 +211,7 @@ def _convert(value: Any, kind: Any, is_duration: bool, where: str) -> Any:
                 raise ValueError(f"expected true or false, got {value!r}")
             return value
         if kind is int:
-            if isinstance(value, bool) or isinstance(value, float):
+            if isinstance(value, (bool, float)):
                 raise ValueError(f"expected an integer, got {value!r}")
             return int(value)
         if kind is float:
@@ -293,7 +293,8 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
                 continue
             sub = key[len(section_name) + 1 :]
             if sub in {f.name for f in dataclasses.fields(section)}:
-                layers.append((f"environment variable {name}", {section_name: {sub: environ[name]}}))
+                layer = {section_name: {sub: environ[name]}}
+                layers.append((f"environment variable {name}", layer))
     return layers
 
 

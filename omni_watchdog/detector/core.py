@@ -1,0 +1,511 @@
+"""The detector: observations and a clock in, per-stage states and verdicts out, no I/O.
+
+The rules (DESIGN.md section 4):
+- nothing is judged before the first healthy /health plus `startup_grace`;
+- `stalled` needs no progress, not slowness: a stage whose counters or spans moved within
+  `progress_timeout` is `degraded` at worst, however late its requests are;
+- a verdict needs two independent kinds of evidence, or one held for `confirm_timeout`;
+- `dead` needs a stage process to have exited while the server lives;
+- target-wide evidence (/health, the canary) is charged to the stages that show no
+  liveness of their own, so a healthy stage is not blamed for its neighbour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from omni_watchdog.config import DetectionConfig
+from omni_watchdog.detector.expectations import PendingRequests, RollingQuantile
+from omni_watchdog.types import (
+    Evidence,
+    EvidenceKind,
+    HealthOutcome,
+    Observation,
+    ObservationKind,
+    ProcessIdentity,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStatus,
+    StageRef,
+    StageState,
+    StageStatus,
+    Topology,
+    Verdict,
+)
+
+# Roles whose exit means the stage lost its engine; a helper child exiting is only reported.
+_STAGE_ROLES = (ProcessRole.STAGE, ProcessRole.ENGINE, ProcessRole.WORKER)
+# gpu_held follows from a state, so it is shown but never counted towards one.
+_CONSEQUENCES = (EvidenceKind.GPU_HELD,)
+# A clean stop takes its engine down a moment before the server itself (vLLM: all gone in
+# under 0.5 s), so only signs older than this before the exit can make it a crash.
+_EXIT_SETTLE = 1.0
+
+
+@dataclass
+class _ProcessMemory:
+    info: ProcessInfo
+    status_since: float
+    cpu_changed_at: float
+    exited_at: float | None = None
+
+
+@dataclass
+class _StageMemory:
+    last_heartbeat: float | None = None
+    progress_value: float | None = None
+    progress_changed_at: float | None = None
+    load: float = 0.0
+    load_positive_since: float | None = None
+    last_span_ok: float | None = None
+    durations: RollingQuantile = field(default_factory=RollingQuantile)
+    processes: dict[int, _ProcessMemory] = field(default_factory=dict)
+    gpu_bytes: dict[int, float] = field(default_factory=dict)
+    state: StageState = StageState.STARTING
+    since: float = 0.0
+    last_error: str = ""
+
+
+@dataclass(frozen=True)
+class TargetExit:
+    """The server's root process went away by itself, and whether that was a crash."""
+
+    time: float
+    crashed: bool
+    reasons: tuple[str, ...]
+    root: ProcessIdentity | None = None
+
+
+@dataclass(frozen=True)
+class DetectorReport:
+    """One evaluation: every stage's status, the verdicts that are new, and a target exit."""
+
+    time: float
+    warmed_up: bool
+    statuses: tuple[StageStatus, ...]
+    verdicts: tuple[Verdict, ...]
+    target_exit: TargetExit | None = None
+
+
+class Detector:
+    """Per-stage state machine over observations; pure, so tests drive it with a fake clock."""
+
+    def __init__(self, config: DetectionConfig, topology: Topology, start: float) -> None:
+        self._config = config
+        self._topology = topology
+        self._names = {ref: self._stage_name(ref) for ref in topology.refs()}
+        self._stages: dict[StageRef, _StageMemory] = {
+            ref: _StageMemory(since=start) for ref in topology.refs()
+        }
+        self._pending = PendingRequests()
+        self._first_healthy: float | None = None
+        self._health_failures = 0
+        self._health_failed_since = 0.0
+        self._health_confirmed_at = 0.0
+        self._health_detail = ""
+        self._canary_failed_at: float | None = None
+        self._canary_detail = ""
+        self._root: ProcessInfo | None = None
+        self._root_exited_at: float | None = None
+        self._exit_reported = False
+        self._unhealthy_signs: list[tuple[float, str]] = []
+        self._last_progress: float | None = None
+
+    # ---- observations -------------------------------------------------------------
+
+    def observe(self, observations: Iterable[Observation]) -> None:
+        for obs in observations:
+            handler = self._HANDLERS.get(obs.kind)
+            if handler is not None:
+                handler(self, obs)
+
+    def _on_heartbeat(self, obs: Observation) -> None:
+        memory = self._memory(obs.stage)
+        if memory is not None:
+            memory.last_heartbeat = obs.time
+
+    def _on_admitted(self, obs: Observation) -> None:
+        self._pending.admit(obs.request_id, obs.path, obs.time)
+
+    def _on_stage_span(self, obs: Observation) -> None:
+        failed = obs.outcome == "error"
+        if obs.stage is not None:
+            self._pending.stage_done(obs.request_id, obs.stage.stage_id, obs.time, failed)
+        memory = self._memory(obs.stage)
+        if memory is None:
+            return
+        if failed:
+            memory.last_error = obs.detail
+            self._sign(obs.time, f"stage {obs.stage} request failed: {obs.detail}")
+        else:
+            memory.last_span_ok = obs.time
+            memory.durations.add(obs.value)
+            self._last_progress = obs.time
+
+    def _on_progress(self, obs: Observation) -> None:
+        memory = self._memory(obs.stage)
+        if memory is None:
+            return
+        if memory.progress_value is None or obs.value != memory.progress_value:
+            if memory.progress_value is not None:
+                self._last_progress = obs.time
+            memory.progress_value = obs.value
+            memory.progress_changed_at = obs.time
+
+    def _on_load(self, obs: Observation) -> None:
+        memory = self._memory(obs.stage)
+        if memory is None:
+            return
+        if obs.value > 0 and memory.load <= 0:
+            memory.load_positive_since = obs.time
+        elif obs.value <= 0:
+            memory.load_positive_since = None
+        memory.load = obs.value
+
+    def _on_health(self, obs: Observation) -> None:
+        if obs.outcome == HealthOutcome.OK.value:
+            if self._first_healthy is None:
+                self._first_healthy = obs.time
+            self._health_failures = 0
+            return
+        self._health_failures += 1
+        if self._health_failures == 1:
+            self._health_failed_since = obs.time
+        if self._health_failures == self._config.health_failures:
+            self._health_confirmed_at = obs.time
+        self._health_detail = f"{obs.outcome} {obs.detail}".strip()
+        # A refused connection is what any stopping server shows; it says nothing of a crash.
+        if obs.outcome != HealthOutcome.REFUSED.value:
+            self._sign(obs.time, f"/health {self._health_detail}")
+
+    def _on_canary(self, obs: Observation) -> None:
+        if obs.outcome == HealthOutcome.OK.value:
+            self._canary_failed_at = None
+            self._canary_detail = ""
+            return
+        if self._canary_failed_at is None:
+            self._canary_failed_at = obs.time
+        self._canary_detail = f"canary {obs.outcome} {obs.detail}".strip()
+        self._sign(obs.time, self._canary_detail)
+
+    def _on_process(self, obs: Observation) -> None:
+        info = obs.process
+        if info is None:
+            return
+        exited = obs.outcome == ProcessStatus.EXITED.value
+        if info.role is ProcessRole.API and not info.orphaned:
+            self._root = info
+            if exited and self._root_exited_at is None:
+                self._root_exited_at = obs.time
+        memory = self._memory(info.stage)
+        if memory is None:
+            return
+        known = memory.processes.get(info.pid)
+        if known is None or known.info.create_time != info.create_time:
+            known = _ProcessMemory(info, obs.time, obs.time)
+            memory.processes[info.pid] = known
+        if exited or info.status is ProcessStatus.ZOMBIE:
+            if known.exited_at is None:
+                known.exited_at = obs.time
+                if info.role in _STAGE_ROLES and self._root_alive():
+                    self._sign(obs.time, f"{info.role.value} pid {info.pid} of stage exited")
+            known.info = info
+            return
+        if info.status is not known.info.status:
+            known.status_since = obs.time
+        if info.cpu_seconds != known.info.cpu_seconds:
+            known.cpu_changed_at = obs.time
+        known.info = info
+
+    def _on_gpu_process(self, obs: Observation) -> None:
+        memory = self._memory(obs.stage)
+        if memory is not None and obs.pid is not None:
+            memory.gpu_bytes[obs.pid] = obs.value
+
+    _HANDLERS = {
+        ObservationKind.HEARTBEAT: _on_heartbeat,
+        ObservationKind.REQUEST_ADMITTED: _on_admitted,
+        ObservationKind.STAGE_SPAN: _on_stage_span,
+        ObservationKind.PROGRESS: _on_progress,
+        ObservationKind.LOAD: _on_load,
+        ObservationKind.HEALTH: _on_health,
+        ObservationKind.CANARY: _on_canary,
+        ObservationKind.PROCESS: _on_process,
+        ObservationKind.GPU_PROCESS: _on_gpu_process,
+    }
+
+    # ---- queries ------------------------------------------------------------------
+
+    def warmed_up(self, now: float) -> bool:
+        return (
+            self._first_healthy is not None
+            and now >= self._first_healthy + self._config.startup_grace
+        )
+
+    def last_progress(self) -> float | None:
+        """When any stage last showed organic progress, for scheduling the canary."""
+        return self._last_progress
+
+    def deadline(self, stage_id: int) -> float:
+        """How long a request may stay at a stage before its span is overdue."""
+        p99s = [
+            quantile
+            for ref, memory in self._stages.items()
+            if ref.stage_id == stage_id
+            and (quantile := memory.durations.quantile(0.99)) is not None
+        ]
+        learned = self._config.overdue_multiplier * max(p99s) if p99s else 0.0
+        return max(self._config.overdue_floor, learned)
+
+    def in_flight(self, stage_id: int) -> int:
+        return self._pending.in_flight(stage_id)
+
+    def overdue_count(self, stage_id: int, now: float) -> int:
+        return len(self._pending.overdue(stage_id, self.deadline(stage_id), now))
+
+    def last_heartbeat(self, ref: StageRef) -> float | None:
+        memory = self._stages.get(ref)
+        return memory.last_heartbeat if memory else None
+
+    def last_progress_of(self, ref: StageRef) -> float | None:
+        memory = self._stages.get(ref)
+        return memory.progress_changed_at if memory else None
+
+    # ---- evaluation ---------------------------------------------------------------
+
+    def evaluate(self, now: float) -> DetectorReport:
+        warm = self.warmed_up(now)
+        target_exit = self._exit(now)
+        own = {ref: self._own_evidence(ref, memory, now) for ref, memory in self._stages.items()}
+        shared = self._target_evidence(now)
+        statuses: list[StageStatus] = []
+        verdicts: list[Verdict] = []
+        for ref, memory in self._stages.items():
+            evidence = list(own[ref])
+            if shared and not self._shows_own_liveness(memory, now):
+                evidence.extend(
+                    Evidence(kind, ref, since, detail) for kind, since, detail in shared
+                )
+            if not self._root_alive():
+                state = StageState.DEAD
+                evidence = [self._server_gone(ref)]
+            elif warm:
+                state = self._decide(memory, evidence, now)
+            else:
+                state = StageState.STARTING
+            if state in (StageState.STALLED, StageState.DEAD):
+                evidence.extend(self._gpu_held(ref, memory, now))
+            if state is not memory.state:
+                memory.state, memory.since = state, now
+                if state in (StageState.STALLED, StageState.DEAD) and self._root_alive():
+                    verdicts.append(Verdict(ref, state, now, tuple(evidence)))
+            statuses.append(
+                StageStatus(ref, self._names.get(ref, ""), state, memory.since, tuple(evidence))
+            )
+        return DetectorReport(now, warm, tuple(statuses), tuple(verdicts), target_exit)
+
+    def _decide(self, memory: _StageMemory, evidence: list[Evidence], now: float) -> StageState:
+        kinds = {e.kind for e in evidence if e.kind not in _CONSEQUENCES}
+        if not kinds:
+            has_signal = (
+                memory.last_heartbeat is not None
+                or memory.progress_value is not None
+                or bool(memory.processes)
+            )
+            return StageState.HEALTHY if has_signal else StageState.UNKNOWN
+        confirmed = len(kinds) >= 2 or any(
+            now - e.since >= self._config.confirm_timeout
+            for e in evidence
+            if e.kind not in _CONSEQUENCES
+        )
+        if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
+            return StageState.DEAD
+        if confirmed and not self._progressing(memory, now):
+            return StageState.STALLED
+        return StageState.DEGRADED
+
+    def _progressing(self, memory: _StageMemory, now: float) -> bool:
+        window = self._config.progress_timeout
+        moved = (
+            memory.progress_changed_at is not None
+            and memory.progress_value is not None
+            and now - memory.progress_changed_at <= window
+            and memory.load > 0
+        )
+        spans = memory.last_span_ok is not None and now - memory.last_span_ok <= window
+        return moved or spans
+
+    def _shows_own_liveness(self, memory: _StageMemory, now: float) -> bool:
+        """Fresh heartbeats and either no work or moving counters: this stage is fine."""
+        beating = (
+            memory.last_heartbeat is not None
+            and now - memory.last_heartbeat <= self._config.heartbeat_timeout
+        )
+        return beating and (memory.load <= 0 or self._progressing(memory, now))
+
+    def _own_evidence(self, ref: StageRef, memory: _StageMemory, now: float) -> list[Evidence]:
+        config = self._config
+        found: list[Evidence] = []
+        if memory.last_heartbeat is not None:
+            silent = now - memory.last_heartbeat
+            if silent > config.heartbeat_timeout:
+                found.append(
+                    Evidence(
+                        EvidenceKind.HEARTBEAT_LOST,
+                        ref,
+                        memory.last_heartbeat + config.heartbeat_timeout,
+                        f"no loop heartbeat for {silent:.1f}s",
+                    )
+                )
+        deadline = self.deadline(ref.stage_id)
+        late = self._pending.overdue(ref.stage_id, deadline, now)
+        if late:
+            found.append(
+                Evidence(
+                    EvidenceKind.SPAN_OVERDUE,
+                    ref,
+                    late[0].due_since + deadline,
+                    f"{len(late)} request(s) past the {deadline:.1f}s deadline,"
+                    f" oldest {late[0].request_id}",
+                )
+            )
+        if memory.load > 0 and memory.load_positive_since is not None:
+            flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
+            if now - flat_from > config.progress_timeout:
+                found.append(
+                    Evidence(
+                        EvidenceKind.PROGRESS_FLAT,
+                        ref,
+                        flat_from + config.progress_timeout,
+                        f"{memory.load:g} request(s) on the stage, counters flat for"
+                        f" {now - flat_from:.1f}s",
+                    )
+                )
+        found.extend(self._process_evidence(ref, memory, now))
+        return found
+
+    def _process_evidence(self, ref: StageRef, memory: _StageMemory, now: float) -> list[Evidence]:
+        config = self._config
+        found: list[Evidence] = []
+        exits = [
+            p
+            for p in memory.processes.values()
+            if p.exited_at is not None and p.info.role in _STAGE_ROLES
+        ]
+        if exits and self._root_alive():
+            first = min(exits, key=lambda p: p.exited_at or 0.0)
+            how = "became a zombie" if first.info.status is ProcessStatus.ZOMBIE else "exited"
+            found.append(
+                Evidence(
+                    EvidenceKind.PROCESS_EXIT,
+                    ref,
+                    first.exited_at or now,
+                    f"{first.info.role.value} pid {first.info.pid} ({first.info.title}) {how}",
+                )
+            )
+        live = [p for p in memory.processes.values() if p.exited_at is None]
+        for process in live:
+            if process.info.status in (ProcessStatus.STOPPED, ProcessStatus.DISK_SLEEP):
+                held = now - process.status_since
+                if held > config.stuck_timeout:
+                    found.append(
+                        Evidence(
+                            EvidenceKind.PROCESS_STUCK,
+                            ref,
+                            process.status_since + config.stuck_timeout,
+                            f"pid {process.info.pid} ({process.info.title})"
+                            f" {process.info.status.value} for {held:.1f}s",
+                        )
+                    )
+                    return found
+        if live and memory.load > 0 and memory.load_positive_since is not None:
+            busy_from = max(max(p.cpu_changed_at for p in live), memory.load_positive_since)
+            if now - busy_from > config.stuck_timeout:
+                found.append(
+                    Evidence(
+                        EvidenceKind.PROCESS_STUCK,
+                        ref,
+                        busy_from + config.stuck_timeout,
+                        f"no CPU progress in any stage process for {now - busy_from:.1f}s"
+                        " with work queued",
+                    )
+                )
+        return found
+
+    def _target_evidence(self, now: float) -> list[tuple[EvidenceKind, float, str]]:
+        shared: list[tuple[EvidenceKind, float, str]] = []
+        if self._health_failures >= self._config.health_failures:
+            shared.append(
+                (
+                    EvidenceKind.HEALTH_FAILED,
+                    self._health_confirmed_at,
+                    f"/health {self._health_detail}, {self._health_failures} times in a row"
+                    f" over {now - self._health_failed_since:.1f}s",
+                )
+            )
+        if self._canary_failed_at is not None:
+            shared.append((EvidenceKind.CANARY_FAILED, self._canary_failed_at, self._canary_detail))
+        return shared
+
+    def _gpu_held(self, ref: StageRef, memory: _StageMemory, now: float) -> list[Evidence]:
+        live_pids = {pid for pid, p in memory.processes.items() if p.exited_at is None}
+        held = sum(b for pid, b in memory.gpu_bytes.items() if pid in live_pids or not live_pids)
+        if held <= 0:
+            return []
+        return [
+            Evidence(
+                EvidenceKind.GPU_HELD,
+                ref,
+                now,
+                f"{held / 2**20:.0f} MiB of GPU memory held by the stage's processes",
+            )
+        ]
+
+    # ---- the target ---------------------------------------------------------------
+
+    def _server_gone(self, ref: StageRef) -> Evidence:
+        root = f"pid {self._root.pid}" if self._root else "the server"
+        return Evidence(
+            EvidenceKind.PROCESS_EXIT, ref, self._root_exited_at or 0.0, f"{root} exited"
+        )
+
+    def _root_alive(self) -> bool:
+        return self._root_exited_at is None
+
+    def _sign(self, time: float, text: str) -> None:
+        self._unhealthy_signs.append((time, text))
+        horizon = time - self._config.crash_window
+        while self._unhealthy_signs and self._unhealthy_signs[0][0] < horizon:
+            self._unhealthy_signs.pop(0)
+
+    def _exit(self, now: float) -> TargetExit | None:
+        if self._root_exited_at is None or self._exit_reported:
+            return None
+        self._exit_reported = True
+        horizon = self._root_exited_at - self._config.crash_window
+        settled = self._root_exited_at - _EXIT_SETTLE
+        reasons = tuple(text for time, text in self._unhealthy_signs if horizon <= time <= settled)
+        bad_states = [
+            f"stage {ref} was {memory.state.value}"
+            for ref, memory in self._stages.items()
+            if memory.state in (StageState.DEGRADED, StageState.STALLED, StageState.DEAD)
+        ]
+        reasons = tuple(bad_states) + reasons
+        root = self._root.identity if self._root else None
+        return TargetExit(self._root_exited_at, bool(reasons), reasons[-12:], root)
+
+    def _memory(self, stage: StageRef | None) -> _StageMemory | None:
+        if stage is None:
+            return None
+        memory = self._stages.get(stage)
+        if memory is None:
+            # A replica the stage config did not list (e.g. scaled up): track it anyway.
+            memory = _StageMemory(since=0.0)
+            self._stages[stage] = memory
+            self._names[stage] = self._stage_name(stage)
+        return memory
+
+    def _stage_name(self, ref: StageRef) -> str:
+        stage = self._topology.stage(ref.stage_id)
+        return stage.name if stage else f"stage{ref.stage_id}"

@@ -1,0 +1,97 @@
+"""What the detector expects to see: span deadlines learned from each stage's durations."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+
+class RollingQuantile:
+    """A quantile over the last `window` samples, kept sorted so a read costs nothing."""
+
+    def __init__(self, window: int = 512) -> None:
+        self._order: deque[float] = deque()
+        self._sorted: list[float] = []
+        self._window = window
+
+    def add(self, sample: float) -> None:
+        self._order.append(sample)
+        bisect.insort(self._sorted, sample)
+        if len(self._order) > self._window:
+            oldest = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
+
+    def quantile(self, q: float) -> float | None:
+        if not self._sorted:
+            return None
+        index = min(len(self._sorted) - 1, int(q * len(self._sorted)))
+        return self._sorted[index]
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+
+@dataclass
+class PendingRequest:
+    """An admitted request waiting for the span of the stage it is at."""
+
+    request_id: str
+    path: tuple[int, ...]
+    position: int
+    due_since: float
+
+    @property
+    def stage_id(self) -> int:
+        return self.path[self.position]
+
+
+class PendingRequests:
+    """Admitted requests by the stage whose span they wait for, oldest first.
+
+    A request enters a stage's queue when it is admitted (first stage) or when the
+    previous stage's span arrives, so each queue is ordered by `due_since` and the
+    overdue ones are always at its front: checking costs O(overdue), not O(in flight).
+    """
+
+    def __init__(self) -> None:
+        self._by_stage: dict[int, dict[str, PendingRequest]] = {}
+        self._where: dict[str, PendingRequest] = {}
+
+    def admit(self, request_id: str, path: tuple[int, ...], now: float) -> None:
+        if not path or request_id in self._where:
+            return
+        self._enqueue(PendingRequest(request_id, path, 0, now))
+
+    def stage_done(self, request_id: str, stage_id: int, now: float, failed: bool) -> None:
+        """The span of `stage_id` for the request arrived: move it on, or forget it."""
+        pending = self._where.get(request_id)
+        if pending is None or stage_id not in pending.path[pending.position :]:
+            return
+        self._dequeue(pending)
+        position = pending.path.index(stage_id, pending.position) + 1
+        if failed or position >= len(pending.path):
+            return
+        self._enqueue(PendingRequest(request_id, pending.path, position, now))
+
+    def overdue(self, stage_id: int, deadline: float, now: float) -> list[PendingRequest]:
+        late: list[PendingRequest] = []
+        for pending in self._by_stage.get(stage_id, {}).values():
+            if now - pending.due_since <= deadline:
+                break
+            late.append(pending)
+        return late
+
+    def in_flight(self, stage_id: int) -> int:
+        return len(self._by_stage.get(stage_id, {}))
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def _enqueue(self, pending: PendingRequest) -> None:
+        self._by_stage.setdefault(pending.stage_id, {})[pending.request_id] = pending
+        self._where[pending.request_id] = pending
+
+    def _dequeue(self, pending: PendingRequest) -> None:
+        del self._by_stage[pending.stage_id][pending.request_id]
+        del self._where[pending.request_id]

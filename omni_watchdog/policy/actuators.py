@@ -1,0 +1,189 @@
+"""The only code that touches the target: admin requests, signals, and capture tools.
+
+Every signal goes through `SignalGuard`: the process must be one the watchdog recorded as
+the target's (pid and create time both match, so a reused pid is never hit), and never
+the watchdog itself, its own process group, or pid 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import aiohttp
+
+from omni_watchdog.types import ProcessIdentity, StepOutcome
+
+
+@dataclass(frozen=True)
+class SignalRecord:
+    """One signal sent (or refused), for the incident's step detail."""
+
+    target: str
+    signal_name: str
+    sent: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AdminAnswer:
+    """How the server's shutdown endpoint answered."""
+
+    outcome: StepOutcome
+    detail: str
+
+
+class SignalGuard:
+    """Decides whether a pid or process group may be signalled at all."""
+
+    def __init__(
+        self,
+        psutil_module: ModuleType,
+        is_recorded: Callable[[ProcessIdentity], bool],
+        own_pid: int | None = None,
+        own_pgid: int | None = None,
+        getpgid: Callable[[int], int] = os.getpgid,
+    ) -> None:
+        self._psutil = psutil_module
+        self._is_recorded = is_recorded
+        self._own_pid = os.getpid() if own_pid is None else own_pid
+        self._own_pgid = os.getpgid(0) if own_pgid is None else own_pgid
+        self._getpgid = getpgid
+
+    def check_process(self, identity: ProcessIdentity) -> str:
+        """Empty when `identity` may be signalled, else the reason it may not."""
+        if identity.pid in (0, 1):
+            return "pid 1 and the kernel are never signalled"
+        if identity.pid == self._own_pid:
+            return "the watchdog never signals itself"
+        if not self._is_recorded(identity):
+            return "not a recorded process of the target"
+        try:
+            create_time = self._psutil.Process(identity.pid).create_time()
+        except self._psutil.NoSuchProcess:
+            return "already gone"
+        except self._psutil.Error as error:
+            return f"cannot inspect: {error}"
+        if abs(create_time - identity.create_time) > 0.01:
+            return "pid now belongs to another process (create time differs)"
+        return ""
+
+    def check_group(self, pgid: int) -> str:
+        """Empty when group `pgid` may be signalled: every live member must be recorded.
+
+        A server started from a script shares the script's group; signalling that group
+        would reach processes that are not the target's, so then only pids are signalled.
+        """
+        if pgid in (0, 1):
+            return "process group 0 and 1 are never signalled"
+        if pgid == self._own_pgid:
+            return "the watchdog's own process group is never signalled"
+        members = 0
+        for process in self._psutil.process_iter(["pid", "create_time"]):
+            try:
+                if self._getpgid(process.pid) != pgid:
+                    continue
+                identity = ProcessIdentity(process.pid, process.info["create_time"])
+                if process.status() == self._psutil.STATUS_ZOMBIE:
+                    continue
+            except (ProcessLookupError, self._psutil.Error):
+                continue
+            if not self._is_recorded(identity) or identity.pid in (1, self._own_pid):
+                return f"the group holds pid {identity.pid}, which is not the target's"
+            members += 1
+        return "" if members else "already gone"
+
+
+class Actuators:
+    """Sends the admin request and signals, through the guard; runs bounded capture tools."""
+
+    def __init__(
+        self,
+        guard: SignalGuard,
+        session: aiohttp.ClientSession,
+        kill: Callable[[int, int], None] = os.kill,
+        killpg: Callable[[int, int], None] = os.killpg,
+    ) -> None:
+        self._guard = guard
+        self._session = session
+        self._kill = kill
+        self._killpg = killpg
+
+    async def request_shutdown(
+        self, url: str, method: str, token: str, timeout: float
+    ) -> AdminAnswer:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            async with self._session.request(
+                method, url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                body = (await response.text())[:200]
+                if 200 <= response.status < 300:
+                    return AdminAnswer(StepOutcome.OK, f"{response.status} {body}".strip())
+                return AdminAnswer(StepOutcome.REFUSED, f"{response.status} {body}".strip())
+        except asyncio.TimeoutError:
+            return AdminAnswer(StepOutcome.TIMEOUT, f"no answer from {url} in {timeout:g}s")
+        except aiohttp.ClientError as error:
+            return AdminAnswer(StepOutcome.UNREACHABLE, f"{url}: {error}")
+
+    def signal_group(self, pgid: int, sig: signal.Signals) -> SignalRecord:
+        target = f"process group {pgid}"
+        reason = self._guard.check_group(pgid)
+        if reason:
+            return SignalRecord(target, sig.name, False, reason)
+        try:
+            self._killpg(pgid, sig)
+        except ProcessLookupError:
+            return SignalRecord(target, sig.name, False, "already gone")
+        except PermissionError as error:
+            return SignalRecord(target, sig.name, False, f"not permitted: {error}")
+        return SignalRecord(target, sig.name, True)
+
+    def signal_process(self, identity: ProcessIdentity, sig: signal.Signals) -> SignalRecord:
+        target = f"pid {identity.pid}"
+        reason = self._guard.check_process(identity)
+        if reason:
+            return SignalRecord(target, sig.name, False, reason)
+        try:
+            self._kill(identity.pid, sig)
+        except ProcessLookupError:
+            return SignalRecord(target, sig.name, False, "already gone")
+        except PermissionError as error:
+            return SignalRecord(target, sig.name, False, f"not permitted: {error}")
+        return SignalRecord(target, sig.name, True)
+
+    async def run_bounded(self, argv: list[str], timeout: float) -> tuple[int | None, str]:
+        """Run a capture tool; past `timeout` it is killed and its partial output kept."""
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            )
+        except OSError as error:
+            return None, f"cannot run {argv[0]}: {error}"
+        try:
+            output, _ = await asyncio.wait_for(process.communicate(), timeout)
+        except asyncio.TimeoutError:
+            # The tool is our own child, so stopping it is ours to do.
+            process.kill()
+            output, _ = await process.communicate()
+            text = output.decode(errors="replace")
+            return None, f"{text}\n[stopped after {timeout:g}s]"
+        return process.returncode, output.decode(errors="replace")
+
+
+def is_alive(psutil_module: ModuleType, identity: ProcessIdentity) -> bool:
+    """The recorded process still exists: same pid, same create time, not a zombie."""
+    try:
+        process: Any = psutil_module.Process(identity.pid)
+        if abs(process.create_time() - identity.create_time) > 0.01:
+            return False
+        return bool(process.status() != psutil_module.STATUS_ZOMBIE)
+    except psutil_module.NoSuchProcess:
+        return False
+    except psutil_module.Error:
+        return True

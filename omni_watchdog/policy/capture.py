@@ -1,0 +1,108 @@
+"""The capture step: stacks of every recorded process, spans, GPU, /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from omni_watchdog.policy.actuators import Actuators
+from omni_watchdog.policy.incidents import BundleWriter
+from omni_watchdog.policy.ladder import TargetSnapshot
+from omni_watchdog.types import Clock, Incident, ProcessInfo, StepName, StepOutcome, StepResult
+
+
+def find_py_spy() -> str | None:
+    """py-spy installed beside this Python (a virtual environment), else on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    if beside.exists() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("py-spy")
+
+
+class Capturer:
+    """Collects what the post-mortem needs into the incident's bundle, within a bound."""
+
+    def __init__(
+        self,
+        actuators: Actuators,
+        session: aiohttp.ClientSession,
+        bundles: BundleWriter,
+        clock: Clock,
+        timeout: float,
+        target_url: str,
+        health_path: str,
+        metrics_path: str,
+        spans: Callable[[], Any],
+        gpu: Callable[[], Any],
+        alive: Callable[[ProcessInfo], bool],
+        py_spy: str | None,
+    ) -> None:
+        self._actuators = actuators
+        self._session = session
+        self._bundles = bundles
+        self._clock = clock
+        self._timeout = timeout
+        self._target_url = target_url.rstrip("/")
+        self._health_path = health_path
+        self._metrics_path = metrics_path
+        self._spans = spans
+        self._gpu = gpu
+        self._alive = alive
+        self._py_spy = py_spy
+
+    async def __call__(self, incident: Incident, snapshot: TargetSnapshot) -> StepResult:
+        started, begun = self._clock.wall(), self._clock.monotonic()
+        bundle = incident.incident_id
+        live = [p for p in snapshot.processes if self._alive(p)]
+        self._bundles.write_json(bundle, "processes.json", snapshot.processes)
+        self._bundles.write_json(bundle, "spans.json", self._spans())
+        self._bundles.write_json(bundle, "gpu.json", self._gpu())
+        stacks, health, metrics = await asyncio.gather(
+            asyncio.gather(*(self._stack(bundle, p) for p in live)),
+            self._fetch(bundle, self._health_path, "health.txt"),
+            self._fetch(bundle, self._metrics_path, "metrics.txt"),
+        )
+        captured = sum(stacks)
+        detail = (
+            f"stacks of {captured}/{len(live)} live processes"
+            f"{'' if self._py_spy else ' (py-spy not installed)'}; /health: {health};"
+            f" /metrics: {metrics}; bundle {self._bundles.directory(bundle)}"
+        )
+        outcome = StepOutcome.OK if captured == len(live) else StepOutcome.FAILED
+        duration = self._clock.monotonic() - begun
+        pids = tuple(p.pid for p in live)
+        return StepResult(StepName.CAPTURE, outcome, started, duration, detail, pids)
+
+    async def _stack(self, bundle: str, process: ProcessInfo) -> bool:
+        if self._py_spy is None:
+            return False
+        argv = [self._py_spy, "dump", "--pid", str(process.pid)]
+        code, output = await self._actuators.run_bounded(argv, self._timeout)
+        header = (
+            f"# pid {process.pid} {process.title} ({process.role.value}, stage {process.stage})\n"
+        )
+        self._bundles.write_text(bundle, f"stacks/{process.pid}.txt", header + output)
+        return code == 0
+
+    async def _fetch(self, bundle: str, path: str, name: str) -> str:
+        url = self._target_url + path
+        try:
+            async with self._session.get(
+                url, timeout=aiohttp.ClientTimeout(total=min(self._timeout, 2.0))
+            ) as response:
+                text = await response.text()
+                self._bundles.write_text(bundle, name, f"HTTP {response.status}\n{text}")
+                return str(response.status)
+        except asyncio.TimeoutError:
+            self._bundles.write_text(bundle, name, "timeout\n")
+            return "timeout"
+        except aiohttp.ClientError as error:
+            self._bundles.write_text(bundle, name, f"error: {error}\n")
+            return "unreachable"

@@ -1,0 +1,231 @@
+"""The policy: which verdicts and exits become incidents, and under which safety rules.
+
+One incident at a time; nothing before warm-up ends; an hourly budget of enforced
+incidents; a lock per target so two watchdogs never both act; and a journal so a
+restarted watchdog resumes an open incident instead of starting it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+from omni_watchdog.detector import DetectorReport, TargetExit
+from omni_watchdog.log import log_event
+from omni_watchdog.policy.incidents import (
+    BundleWriter,
+    EnforcementBudget,
+    IncidentJournal,
+    TargetLock,
+)
+from omni_watchdog.policy.ladder import LadderRunner, TargetSnapshot
+from omni_watchdog.types import (
+    Clock,
+    Incident,
+    IncidentOutcome,
+    Mode,
+    ProcessIdentity,
+    StepName,
+    StepOutcome,
+    StepResult,
+    Verdict,
+)
+
+logger = logging.getLogger("omni_watchdog.policy")
+
+
+def new_incident_id(wall: float) -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(wall)) + "-" + secrets.token_hex(3)
+
+
+class Policy:
+    """Turns verdicts and target exits into incidents and runs the ladder for them."""
+
+    def __init__(
+        self,
+        mode: Mode,
+        runner: LadderRunner,
+        journal: IncidentJournal,
+        budget: EnforcementBudget,
+        lock: TargetLock,
+        bundles: BundleWriter,
+        clock: Clock,
+        alive: Callable[[ProcessIdentity], bool],
+    ) -> None:
+        self.mode = mode
+        self._runner = runner
+        self._journal = journal
+        self._budget = budget
+        self._lock = lock
+        self._bundles = bundles
+        self._clock = clock
+        self._alive = alive
+        self._incidents: dict[str, Incident] = {}
+        self._current: asyncio.Task[Incident] | None = None
+        self._handled_roots: set[ProcessIdentity] = set()
+        self.budget_exhausted_total = 0
+        for entry in journal.replay():
+            self._incidents[entry.incident.incident_id] = entry.incident
+            if entry.incident.mode is Mode.ENFORCE:
+                budget.note(entry.incident.opened)
+
+    # ---- queries ------------------------------------------------------------------
+
+    def incidents(self) -> list[Incident]:
+        return sorted(self._incidents.values(), key=lambda i: i.opened)
+
+    def incident(self, incident_id: str) -> Incident | None:
+        return self._incidents.get(incident_id)
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None and not self._current.done()
+
+    def budget_remaining(self) -> int:
+        return self._budget.remaining(self._clock.wall())
+
+    async def wait_idle(self) -> None:
+        if self._current is not None:
+            await asyncio.shield(self._current)
+
+    # ---- decisions ----------------------------------------------------------------
+
+    def on_report(
+        self, report: DetectorReport, snapshot: Callable[[], TargetSnapshot]
+    ) -> asyncio.Task[Incident] | None:
+        """Open an incident for a new verdict or a bad exit, if the rules allow one now."""
+        if self.busy:
+            return None
+        if report.target_exit is not None:
+            return self._on_exit(report.target_exit, snapshot())
+        verdicts = tuple(report.verdicts)
+        if not verdicts or not report.warmed_up:
+            return None
+        target = snapshot()
+        if target.root is not None and target.root in self._handled_roots:
+            return None
+        cause = "; ".join(f"stage {v.stage} {v.state.value}" for v in verdicts)
+        return self._open(cause, verdicts, target)
+
+    def _on_exit(self, exit_: TargetExit, target: TargetSnapshot) -> asyncio.Task[Incident] | None:
+        if exit_.root is not None and exit_.root in self._handled_roots:
+            return None
+        orphans = [p for p in target.processes if self._alive(p.identity)]
+        if not exit_.crashed and not orphans:
+            log_event(logger, "target_stopped", target=target.target, crashed=False)
+            return None
+        what = "crashed" if exit_.crashed else "exited"
+        cause = f"server {what} by itself"
+        if orphans:
+            cause += f", leaving {len(orphans)} orphaned process(es)"
+        if exit_.reasons:
+            cause += ": " + "; ".join(exit_.reasons[-4:])
+        return self._open(cause, (), target, exited=True)
+
+    def _open(
+        self,
+        cause: str,
+        verdicts: tuple[Verdict, ...],
+        target: TargetSnapshot,
+        exited: bool = False,
+    ) -> asyncio.Task[Incident]:
+        wall = self._clock.wall()
+        mode = self.mode
+        notes = []
+        if mode is Mode.ENFORCE and self._budget.remaining(wall) <= 0:
+            mode = Mode.OBSERVE
+            self.budget_exhausted_total += 1
+            notes.append("enforcement budget for this hour exhausted: observing only")
+        if mode is Mode.ENFORCE and target.root is not None and not self._lock.acquire(target.root):
+            mode = Mode.OBSERVE
+            notes.append("another watchdog holds this target's lock: observing only")
+        if mode is Mode.ENFORCE:
+            self._budget.note(wall)
+        if target.root is not None:
+            self._handled_roots.add(target.root)
+        incident_id = new_incident_id(wall)
+        timeline = {"opened": wall}
+        if verdicts:
+            timeline["verdict"] = self._wall_of(min(v.time for v in verdicts))
+            evidence = [e.since for v in verdicts for e in v.evidence]
+            if evidence:
+                timeline["first_evidence"] = self._wall_of(min(evidence))
+        incident = Incident(
+            incident_id=incident_id,
+            target=target.target,
+            mode=mode,
+            opened=wall,
+            cause="; ".join([cause, *notes]),
+            verdicts=verdicts,
+            bundle_dir=str(self._bundles.directory(incident_id)),
+            timeline=timeline,
+        )
+        if exited:
+            # The server is gone: there is nobody to ask for a shutdown.
+            skipped = StepResult(
+                StepName.SHUTDOWN, StepOutcome.SKIPPED, wall, 0.0, "the server exited by itself"
+            )
+            incident = dataclasses.replace(incident, steps=(skipped,))
+        log_event(logger, "incident_opened", id=incident_id, mode=mode.value, cause=incident.cause)
+        self._task_for(incident, target)
+        assert self._current is not None
+        return self._current
+
+    def resume(self, snapshot_of: Callable[[tuple[ProcessIdentity, ...]], TargetSnapshot]) -> None:
+        """Continue the journal's open incident, if any, from the step after its last."""
+        for entry in self._journal.replay():
+            incident = entry.incident
+            if incident.outcome is not IncidentOutcome.OPEN:
+                continue
+            target = snapshot_of(entry.processes)
+            if target.root is not None:
+                self._handled_roots.add(target.root)
+            log_event(
+                logger,
+                "incident_resumed",
+                id=incident.incident_id,
+                done=[s.step.value for s in incident.steps],
+            )
+            if incident.mode is Mode.ENFORCE and target.root is not None:
+                self._lock.acquire(target.root)
+            self._task_for(incident, target)
+            return
+
+    def _task_for(self, incident: Incident, target: TargetSnapshot) -> None:
+        self._record(incident, target)
+        self._current = asyncio.get_running_loop().create_task(self._climb(incident, target))
+
+    async def _climb(self, incident: Incident, target: TargetSnapshot) -> Incident:
+        try:
+            finished = await self._runner.run(
+                incident, target, lambda step: self._record(step, target)
+            )
+            verify = next((s for s in finished.steps if s.step is StepName.VERIFY), None)
+            timeline = dict(finished.timeline)
+            if verify is not None and verify.outcome is StepOutcome.OK:
+                timeline["released"] = verify.started + verify.duration
+            timeline["closed"] = finished.closed or self._clock.wall()
+            finished = dataclasses.replace(finished, timeline=timeline)
+            self._record(finished, target)
+            log_event(
+                logger,
+                "incident_closed",
+                id=finished.incident_id,
+                outcome=finished.outcome.value,
+                steps=[f"{s.step.value}:{s.outcome.value}" for s in finished.steps],
+            )
+            return finished
+        finally:
+            self._lock.release()
+
+    def _record(self, incident: Incident, target: TargetSnapshot) -> None:
+        self._incidents[incident.incident_id] = incident
+        self._journal.record(incident, target.identities, target.pgids())
+        self._bundles.write_json(incident.incident_id, "incident.json", incident)
+
+    def _wall_of(self, monotonic_time: float) -> float:
+        return self._clock.wall() - (self._clock.monotonic() - monotonic_time)

@@ -1,0 +1,326 @@
+"""The remediation ladder as data, and the runner that climbs it one step at a time.
+
+capture -> shutdown -> terminate -> kill -> verify. Each step has a time bound and an
+outcome; a step that leaves no recorded process alive ends the climb early and goes to
+verify, which decides the incident's outcome from processes and GPU memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from omni_watchdog.config import LadderConfig
+from omni_watchdog.policy.actuators import Actuators
+from omni_watchdog.types import (
+    Clock,
+    Incident,
+    IncidentOutcome,
+    Mode,
+    ProcessIdentity,
+    ProcessInfo,
+    StepName,
+    StepOutcome,
+    StepResult,
+)
+
+# Allocator slack: a released device rarely reads back to the exact byte.
+GPU_TOLERANCE_BYTES = 64 * 2**20
+_POLL = 0.05
+
+_RECOVERED_BY = {
+    StepName.SHUTDOWN: IncidentOutcome.RECOVERED_BY_SHUTDOWN,
+    StepName.TERMINATE: IncidentOutcome.RECOVERED_BY_TERM,
+    StepName.KILL: IncidentOutcome.RECOVERED_BY_KILL,
+}
+
+
+@dataclass(frozen=True)
+class LadderStep:
+    """One rung: which step, and how long it may take."""
+
+    name: StepName
+    timeout: float
+
+
+def ladder_from_config(config: LadderConfig) -> tuple[LadderStep, ...]:
+    bounds = {
+        StepName.CAPTURE: config.capture_timeout,
+        StepName.SHUTDOWN: config.admin_timeout + config.shutdown_grace,
+        StepName.TERMINATE: config.term_grace,
+        StepName.KILL: config.kill_grace,
+        StepName.VERIFY: config.release_timeout,
+    }
+    return tuple(LadderStep(StepName(name), bounds[StepName(name)]) for name in config.steps)
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """Device memory now: bytes used per device and per pid (all devices together)."""
+
+    used_by_device: Mapping[int, float]
+    used_by_pid: Mapping[int, float]
+
+
+@dataclass(frozen=True)
+class TargetSnapshot:
+    """What an incident acts on, fixed when it opens."""
+
+    target: str
+    root: ProcessIdentity | None
+    processes: tuple[ProcessInfo, ...]
+    gpu_baseline: Mapping[int, float] | None
+
+    @property
+    def identities(self) -> tuple[ProcessIdentity, ...]:
+        return tuple(p.identity for p in self.processes)
+
+    def pgids(self) -> tuple[int, ...]:
+        return tuple(sorted({p.pgid for p in self.processes}))
+
+
+def gpu_baseline(
+    reading: GpuReading | None, processes: tuple[ProcessInfo, ...]
+) -> dict[int, float] | None:
+    """What each device should read once the target's memory is freed."""
+    if reading is None:
+        return None
+    ours = {p.pid for p in processes}
+    held = sum(b for pid, b in reading.used_by_pid.items() if pid in ours)
+    # NVML's per-pid list does not say which device; charge the target's share to the
+    # devices in proportion to their use so a single-device host is exact.
+    total = sum(reading.used_by_device.values()) or 1.0
+    return {
+        device: max(0.0, used - held * used / total)
+        for device, used in reading.used_by_device.items()
+    }
+
+
+class LadderRunner:
+    """Runs the steps of one incident in the given mode and reports each as it ends."""
+
+    def __init__(
+        self,
+        steps: tuple[LadderStep, ...],
+        config: LadderConfig,
+        actuators: Actuators,
+        capture: Callable[[Incident, TargetSnapshot], Awaitable[StepResult]],
+        read_gpu: Callable[[], Awaitable[GpuReading | None]],
+        alive: Callable[[ProcessIdentity], bool],
+        clock: Clock,
+        admin_url: str,
+        admin_token: str,
+    ) -> None:
+        self._steps = steps
+        self._config = config
+        self._actuators = actuators
+        self._capture = capture
+        self._read_gpu = read_gpu
+        self._alive = alive
+        self._clock = clock
+        self._admin_url = admin_url
+        self._admin_token = admin_token
+
+    async def run(
+        self,
+        incident: Incident,
+        snapshot: TargetSnapshot,
+        on_step: Callable[[Incident], None],
+    ) -> Incident:
+        done = {result.step for result in incident.steps}
+        recovered_by: StepName | None = None
+        for step in self._steps:
+            if step.name in done:
+                continue
+            if recovered_by is not None and step.name is not StepName.VERIFY:
+                continue
+            if incident.mode is not Mode.ENFORCE and step.name is not StepName.CAPTURE:
+                result = self._plan(step, snapshot)
+            else:
+                result = await self._perform(step, incident, snapshot)
+            incident = dataclasses.replace(incident, steps=(*incident.steps, result))
+            on_step(incident)
+            if (
+                step.name in _RECOVERED_BY
+                and incident.mode is Mode.ENFORCE
+                and result.outcome is StepOutcome.RECOVERED
+            ):
+                recovered_by = step.name
+        return dataclasses.replace(
+            incident,
+            outcome=self._outcome(incident, recovered_by),
+            closed=self._clock.wall(),
+        )
+
+    def _outcome(self, incident: Incident, recovered_by: StepName | None) -> IncidentOutcome:
+        if incident.mode is Mode.DRY_RUN:
+            return IncidentOutcome.PLANNED
+        if incident.mode is Mode.OBSERVE:
+            return IncidentOutcome.OBSERVED
+        verify = next((s for s in incident.steps if s.step is StepName.VERIFY), None)
+        if verify is None or verify.outcome is StepOutcome.FAILED:
+            return IncidentOutcome.FAILED
+        if verify.outcome is not StepOutcome.OK:
+            return IncidentOutcome.LEAKED
+        if recovered_by is None:
+            recovered_by = next(
+                (s.step for s in incident.steps if s.outcome is StepOutcome.RECOVERED), None
+            )
+        if recovered_by is None:
+            # Nothing had to be stopped: the server had already gone by itself.
+            return IncidentOutcome.CRASHED
+        return _RECOVERED_BY[recovered_by]
+
+    # ---- the steps ----------------------------------------------------------------
+
+    async def _perform(
+        self, step: LadderStep, incident: Incident, snapshot: TargetSnapshot
+    ) -> StepResult:
+        started, begun = self._clock.wall(), self._clock.monotonic()
+        if step.name is StepName.CAPTURE:
+            try:
+                return await asyncio.wait_for(self._capture(incident, snapshot), step.timeout + 1)
+            except asyncio.TimeoutError:
+                return StepResult(step.name, StepOutcome.TIMEOUT, started, step.timeout)
+        if step.name is StepName.SHUTDOWN:
+            outcome, detail = await self._shutdown(snapshot)
+        elif step.name is StepName.TERMINATE:
+            outcome, detail = await self._signal_all(snapshot, signal.SIGTERM, step.timeout, False)
+        elif step.name is StepName.KILL:
+            outcome, detail = await self._signal_all(snapshot, signal.SIGKILL, step.timeout, True)
+        else:
+            outcome, detail = await self._verify(snapshot, step.timeout)
+        duration = self._clock.monotonic() - begun
+        pids = tuple(p.pid for p in snapshot.processes)
+        return StepResult(step.name, outcome, started, duration, detail, pids)
+
+    async def _shutdown(self, snapshot: TargetSnapshot) -> tuple[StepOutcome, str]:
+        if not self._survivors(snapshot):
+            return StepOutcome.SKIPPED, "no recorded process is alive"
+        if snapshot.root is None or not self._alive(snapshot.root):
+            return StepOutcome.SKIPPED, "the server process is gone; nothing to ask"
+        answer = await self._actuators.request_shutdown(
+            self._admin_url,
+            self._config.admin_method,
+            self._admin_token,
+            self._config.admin_timeout,
+        )
+        if answer.outcome is not StepOutcome.OK:
+            return answer.outcome, answer.detail
+        gone = await self._wait_gone(snapshot, self._config.shutdown_grace)
+        if gone:
+            return StepOutcome.RECOVERED, f"{answer.detail}; every recorded process exited"
+        left = ", ".join(str(p.pid) for p in self._survivors(snapshot))
+        return StepOutcome.NOT_RECOVERED, f"{answer.detail}; still alive: {left}"
+
+    async def _signal_all(
+        self, snapshot: TargetSnapshot, sig: signal.Signals, grace: float, sweep: bool
+    ) -> tuple[StepOutcome, str]:
+        survivors = self._survivors(snapshot)
+        if not survivors:
+            return StepOutcome.SKIPPED, "no recorded process is alive"
+        notes = []
+        for pgid in snapshot.pgids():
+            members = [p.identity for p in survivors if p.pgid == pgid]
+            if not members:
+                continue
+            record = self._actuators.signal_group(pgid, sig)
+            notes.append(self._note(record.target, record.sent, record.reason))
+            if not record.sent:
+                for identity in members:
+                    single = self._actuators.signal_process(identity, sig)
+                    notes.append(self._note(single.target, single.sent, single.reason))
+        if sweep:
+            for target in await self._kill_targets(snapshot):
+                record = self._actuators.signal_process(target, sig)
+                notes.append(self._note(record.target, record.sent, record.reason))
+        gone = await self._wait_gone(snapshot, grace)
+        detail = f"{sig.name}: " + "; ".join(notes)
+        if gone:
+            return StepOutcome.RECOVERED, detail + "; every recorded process exited"
+        left = ", ".join(str(p.pid) for p in self._survivors(snapshot))
+        return StepOutcome.NOT_RECOVERED, detail + f"; still alive after {grace:g}s: {left}"
+
+    async def _kill_targets(self, snapshot: TargetSnapshot) -> list[ProcessIdentity]:
+        """Every surviving recorded process, and every recorded pid NVML shows holding memory."""
+        targets = [p.identity for p in self._survivors(snapshot)]
+        reading = await self._read_gpu()
+        if reading is not None:
+            recorded = {p.pid: p.identity for p in snapshot.processes}
+            for pid, used in reading.used_by_pid.items():
+                identity = recorded.get(pid)
+                if used > 0 and identity is not None and identity not in targets:
+                    targets.append(identity)
+        return targets
+
+    async def _verify(self, snapshot: TargetSnapshot, timeout: float) -> tuple[StepOutcome, str]:
+        deadline = self._clock.monotonic() + timeout
+        while True:
+            survivors = self._survivors(snapshot)
+            memory_ok, memory_note = await self._memory_released(snapshot)
+            if not survivors and memory_ok:
+                return StepOutcome.OK, f"every recorded process is gone; {memory_note}"
+            if self._clock.monotonic() >= deadline:
+                break
+            await asyncio.sleep(_POLL)
+        if survivors:
+            left = ", ".join(f"{p.pid} ({p.title})" for p in survivors)
+            return StepOutcome.FAILED, f"still alive after {timeout:g}s: {left}; {memory_note}"
+        return StepOutcome.NOT_RECOVERED, f"processes gone but {memory_note}"
+
+    async def _memory_released(self, snapshot: TargetSnapshot) -> tuple[bool, str]:
+        reading = await self._read_gpu()
+        if reading is None or snapshot.gpu_baseline is None:
+            return True, "GPU memory not checked (no NVML)"
+        ours = {p.pid for p in snapshot.processes}
+        held = sum(b for pid, b in reading.used_by_pid.items() if pid in ours and b > 0)
+        over = {
+            device: used - snapshot.gpu_baseline.get(device, 0.0)
+            for device, used in reading.used_by_device.items()
+            if used - snapshot.gpu_baseline.get(device, 0.0) > GPU_TOLERANCE_BYTES
+        }
+        if held > 0 or over:
+            return False, (
+                f"GPU memory still held: {held / 2**20:.0f} MiB by recorded pids,"
+                f" devices over baseline: {sorted(over)}"
+            )
+        used = sum(reading.used_by_device.values())
+        return True, f"GPU memory back to baseline ({used / 2**20:.0f} MiB used)"
+
+    def _plan(self, step: LadderStep, snapshot: TargetSnapshot) -> StepResult:
+        """What enforce mode would do, exactly, without doing it."""
+        pids = ", ".join(f"{p.pid} ({p.title})" for p in snapshot.processes)
+        groups = ", ".join(str(g) for g in snapshot.pgids())
+        plans = {
+            StepName.SHUTDOWN: f"would {self._config.admin_method} {self._admin_url}",
+            StepName.TERMINATE: f"would send SIGTERM to process group(s) {groups}"
+            f" and wait {self._config.term_grace:g}s",
+            StepName.KILL: f"would send SIGKILL to process group(s) {groups}, then to each"
+            f" surviving recorded process ({pids}) and to recorded pids holding GPU memory",
+            StepName.VERIFY: f"would wait up to {self._config.release_timeout:g}s for every"
+            " recorded process to exit and GPU memory to return to baseline",
+        }
+        targets = tuple(p.pid for p in snapshot.processes)
+        return StepResult(
+            step.name, StepOutcome.PLANNED, self._clock.wall(), 0.0, plans[step.name], targets
+        )
+
+    # ---- helpers ------------------------------------------------------------------
+
+    def _survivors(self, snapshot: TargetSnapshot) -> list[ProcessInfo]:
+        return [p for p in snapshot.processes if self._alive(p.identity)]
+
+    async def _wait_gone(self, snapshot: TargetSnapshot, grace: float) -> bool:
+        deadline = self._clock.monotonic() + grace
+        while self._survivors(snapshot):
+            if self._clock.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_POLL)
+        return True
+
+    @staticmethod
+    def _note(target: str, sent: bool, reason: str) -> str:
+        return f"{target} sent" if sent else f"{target} not signalled ({reason})"

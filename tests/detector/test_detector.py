@@ -1,0 +1,377 @@
+"""Table tests of the detector: observation sequences over a fake clock -> states, verdicts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from omni_watchdog.clock import FakeClock
+from omni_watchdog.config import DetectionConfig
+from omni_watchdog.detector import Detector, DetectorReport
+from omni_watchdog.types import (
+    EvidenceKind,
+    HealthOutcome,
+    Observation,
+    ObservationKind,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStatus,
+    Stage,
+    StageRef,
+    StageState,
+    Topology,
+)
+
+CONFIG = DetectionConfig()
+THREE_STAGES = Topology(
+    (
+        Stage(0, "thinker", downstream=(1,)),
+        Stage(1, "talker", upstream=(0,), downstream=(2,)),
+        Stage(2, "code2wav", upstream=(1,), final_output=True),
+    )
+)
+ONE_STAGE = Topology((Stage(0, "engine"),))
+S0, S1, S2 = StageRef(0), StageRef(1), StageRef(2)
+ROOT = ProcessInfo(100, 1.0, 1, 100, 100, "api", ProcessStatus.SLEEPING, 1.0, ProcessRole.API)
+
+
+def process(pid: int, stage: StageRef, role: ProcessRole, status: ProcessStatus, cpu: float = 1.0):
+    return ProcessInfo(pid, 2.0, 100, 100, 100, role.value, status, cpu, role, stage)
+
+
+@dataclass
+class World:
+    """What the server does each second; tests switch parts of it off."""
+
+    heartbeats: set[StageRef] = field(default_factory=lambda: {S0, S1, S2})
+    progressing: set[StageRef] = field(default_factory=set)
+    load: dict[StageRef, float] = field(default_factory=dict)
+    health: HealthOutcome = HealthOutcome.OK
+    engines: dict[StageRef, ProcessStatus] = field(default_factory=dict)
+    cpu_moving: bool = True
+    canary: HealthOutcome | None = None
+    tokens: dict[StageRef, float] = field(default_factory=dict)
+
+    def tick(self, now: float, second: int) -> list[Observation]:
+        out: list[Observation] = [
+            Observation(ObservationKind.HEALTH, now, outcome=self.health.value),
+            Observation(ObservationKind.PROCESS, now, process=ROOT, outcome="sleeping"),
+        ]
+        for ref in self.heartbeats:
+            out.append(Observation(ObservationKind.HEARTBEAT, now, stage=ref))
+        for ref in set(self.load) | set(self.tokens) | self.progressing:
+            if ref in self.progressing:
+                self.tokens[ref] = self.tokens.get(ref, 0.0) + 5
+            out.append(Observation(ObservationKind.PROGRESS, now, ref, self.tokens.get(ref, 0.0)))
+            out.append(Observation(ObservationKind.LOAD, now, ref, self.load.get(ref, 0.0)))
+        for pid, (ref, status) in enumerate(self.engines.items(), start=200):
+            cpu = float(second) if self.cpu_moving else 1.0
+            info = process(pid, ref, ProcessRole.ENGINE, status, cpu)
+            outcome = "exited" if status is ProcessStatus.EXITED else status.value
+            out.append(Observation(ObservationKind.PROCESS, now, process=info, outcome=outcome))
+        if self.canary is not None:
+            out.append(Observation(ObservationKind.CANARY, now, outcome=self.canary.value))
+        return out
+
+
+def run(
+    topology: Topology,
+    world: World,
+    seconds: int,
+    change: Callable[[World, int], None] | None = None,
+    config: DetectionConfig = CONFIG,
+) -> list[DetectorReport]:
+    clock = FakeClock()
+    detector = Detector(config, topology, clock.monotonic())
+    reports = []
+    for second in range(seconds):
+        if change:
+            change(world, second)
+        detector.observe(world.tick(clock.monotonic(), second))
+        reports.append(detector.evaluate(clock.monotonic()))
+        clock.advance(1.0)
+    return reports
+
+
+def state_of(report: DetectorReport, ref: StageRef) -> StageState:
+    return next(s.state for s in report.statuses if s.stage == ref)
+
+
+def kinds_of(report: DetectorReport, ref: StageRef) -> set[EvidenceKind]:
+    return {e.kind for s in report.statuses if s.stage == ref for e in s.evidence}
+
+
+def first_verdict(reports: list[DetectorReport]):
+    return next(((i, v) for i, r in enumerate(reports) for v in r.verdicts), None)
+
+
+WARM = 7  # first healthy /health at 0 s + 5 s grace
+
+
+def after(second: int, action: Callable[[World], None]) -> Callable[[World, int], None]:
+    def change(world: World, now: int) -> None:
+        if now == second:
+            action(world)
+
+    return change
+
+
+def engine_dies(world: World) -> None:
+    world.engines[S1] = ProcessStatus.EXITED
+    world.heartbeats.discard(S1)
+    world.health = HealthOutcome.TIMEOUT
+
+
+def stage_deadlocks(world: World) -> None:
+    world.heartbeats.discard(S1)
+    world.load[S1] = 1
+    world.progressing.discard(S1)
+    world.cpu_moving = False
+
+
+def slows_down(world: World) -> None:
+    world.load[S1] = 1
+    world.progressing.add(S1)
+    world.cpu_moving = False
+
+
+def engine_frozen(world: World) -> None:
+    world.engines[S0] = ProcessStatus.STOPPED
+    world.load[S0] = 1
+    world.progressing.discard(S0)
+    world.canary = HealthOutcome.TIMEOUT
+
+
+SCENARIOS = [
+    # name, topology, change, seconds, stage, final state, verdict expected, kinds required
+    ("engine-dead-hang", THREE_STAGES, after(10, engine_dies), 16, S1, StageState.DEAD, True,
+     {EvidenceKind.PROCESS_EXIT, EvidenceKind.HEARTBEAT_LOST}),
+    ("silent-stall", THREE_STAGES, after(10, stage_deadlocks), 20, S1, StageState.STALLED, True,
+     {EvidenceKind.HEARTBEAT_LOST, EvidenceKind.PROGRESS_FLAT}),
+    ("slow-but-alive", THREE_STAGES, after(10, slows_down), 40, S1, StageState.DEGRADED, False,
+     {EvidenceKind.PROCESS_STUCK}),
+    ("frozen-engine, plain vLLM without plugin", ONE_STAGE, after(10, engine_frozen), 20, S0,
+     StageState.STALLED, True, {EvidenceKind.PROCESS_STUCK, EvidenceKind.CANARY_FAILED}),
+]
+
+
+@pytest.mark.parametrize(
+    ("topology", "change", "seconds", "stage", "final", "verdict", "kinds"),
+    [s[1:] for s in SCENARIOS],
+    ids=[s[0] for s in SCENARIOS],
+)
+def test_scenarios(topology, change, seconds, stage, final, verdict, kinds) -> None:
+    world = World(heartbeats=set(topology.refs()) if topology is THREE_STAGES else set())
+    if topology is THREE_STAGES:
+        world.engines = {S0: ProcessStatus.SLEEPING, S1: ProcessStatus.SLEEPING}
+    else:
+        world.engines = {S0: ProcessStatus.SLEEPING}
+    reports = run(topology, world, seconds, change)
+    assert state_of(reports[-1], stage) is final
+    assert kinds <= kinds_of(reports[-1], stage)
+    found = first_verdict(reports)
+    if verdict:
+        assert found is not None and found[1].stage == stage and found[1].state is final
+        assert kinds <= {e.kind for e in found[1].evidence}
+    else:
+        assert found is None
+
+
+def test_engine_dead_hang_is_judged_within_five_seconds_of_the_fault() -> None:
+    world = World(engines={S0: ProcessStatus.SLEEPING, S1: ProcessStatus.SLEEPING})
+    reports = run(THREE_STAGES, world, 20, after(10, engine_dies))
+    second, verdict = first_verdict(reports)
+    assert verdict.stage == S1 and verdict.state is StageState.DEAD
+    assert second - 10 <= 5
+    # The neighbours keep beating: the starved /health is not charged to them.
+    assert state_of(reports[-1], S0) is StageState.HEALTHY
+    assert state_of(reports[-1], S2) is StageState.HEALTHY
+
+
+def test_nothing_is_judged_during_start_up() -> None:
+    world = World(health=HealthOutcome.TIMEOUT, heartbeats=set())
+    world.engines = {S1: ProcessStatus.STOPPED}
+    world.load = {S1: 3}
+    reports = run(THREE_STAGES, world, 60)
+    assert all(state_of(r, ref) is StageState.STARTING for r in reports for ref in (S0, S1, S2))
+    assert first_verdict(reports) is None
+
+
+def test_grace_counts_from_the_first_healthy_answer() -> None:
+    def healthy_at_20(world: World, second: int) -> None:
+        world.health = HealthOutcome.OK if second >= 20 else HealthOutcome.REFUSED
+
+    reports = run(THREE_STAGES, World(), 40, healthy_at_20)
+    assert state_of(reports[24], S0) is StageState.STARTING
+    assert state_of(reports[26], S0) is StageState.HEALTHY
+
+
+def test_one_kind_alone_needs_confirm_timeout() -> None:
+    def beat_lost(world: World) -> None:
+        world.heartbeats.discard(S2)
+
+    reports = run(THREE_STAGES, World(), 30, after(10, beat_lost))
+    # heartbeat_lost from 13 s (3 s timeout); confirmed alone 10 s later.
+    assert state_of(reports[15], S2) is StageState.DEGRADED
+    second, verdict = first_verdict(reports)
+    assert verdict.stage == S2 and verdict.state is StageState.STALLED
+    assert 22 <= second <= 24
+
+
+def test_two_stages_failing_independently() -> None:
+    def both(world: World, second: int) -> None:
+        if second == 10:
+            stage_deadlocks(world)
+        if second == 14:
+            world.heartbeats.discard(S2)
+            world.load[S2] = 2
+
+    world = World(engines={S1: ProcessStatus.SLEEPING})
+    reports = run(THREE_STAGES, world, 30, both)
+    stalled = {v.stage for r in reports for v in r.verdicts}
+    assert stalled == {S1, S2}
+    assert state_of(reports[-1], S0) is StageState.HEALTHY
+
+
+def test_a_stage_that_recovers_goes_back_to_healthy() -> None:
+    def stall_then_recover(world: World, second: int) -> None:
+        if second == 10:
+            stage_deadlocks(world)
+        if second == 22:
+            world.heartbeats.add(S1)
+            world.progressing.add(S1)
+            world.cpu_moving = True
+        if second == 26:
+            world.load[S1] = 0
+            world.progressing.discard(S1)
+
+    reports = run(THREE_STAGES, World(), 32, stall_then_recover)
+    assert state_of(reports[20], S1) is StageState.STALLED
+    assert state_of(reports[-1], S1) is StageState.HEALTHY
+
+
+def test_slow_but_alive_never_stalls_however_late() -> None:
+    """A soak: a stage 10x slower with overdue requests, heartbeats and tokens flowing."""
+    clock = FakeClock()
+    detector = Detector(CONFIG, THREE_STAGES, clock.monotonic())
+    tokens = 0.0
+    for second in range(600):
+        now = clock.monotonic()
+        detector.observe(
+            [
+                Observation(ObservationKind.HEALTH, now, outcome="ok"),
+                *[Observation(ObservationKind.HEARTBEAT, now, stage=r) for r in (S0, S1, S2)],
+                Observation(ObservationKind.REQUEST_ADMITTED, now, request_id=f"r{second}",
+                            path=(0, 1, 2)),
+                Observation(ObservationKind.STAGE_SPAN, now, S0, 0.1, "ok", request_id=f"r{second}"),
+                Observation(ObservationKind.PROGRESS, now, S1, tokens),
+                Observation(ObservationKind.LOAD, now, S1, 4.0),
+            ]
+        )
+        if second % 40 == 0:
+            detector.observe([
+                Observation(ObservationKind.STAGE_SPAN, now, S1, 40.0, "ok",
+                            request_id=f"r{second - 40}"),
+                Observation(ObservationKind.STAGE_SPAN, now, S2, 0.1, "ok",
+                            request_id=f"r{second - 40}"),
+            ])
+        tokens += 1
+        report = detector.evaluate(now)
+        assert not report.verdicts
+        assert all(s.state in (StageState.HEALTHY, StageState.DEGRADED, StageState.STARTING)
+                   for s in report.statuses)
+        clock.advance(1.0)
+    assert EvidenceKind.SPAN_OVERDUE in kinds_of(report, S1)
+    assert state_of(report, S1) is StageState.DEGRADED
+
+
+def test_span_deadline_adapts_to_the_stage_p99() -> None:
+    clock = FakeClock()
+    detector = Detector(CONFIG, THREE_STAGES, clock.monotonic())
+    for i in range(100):
+        detector.observe(
+            [Observation(ObservationKind.STAGE_SPAN, 0.0, S1, 5.0 + i * 0.01, "ok", request_id="x")]
+        )
+    assert detector.deadline(1) == pytest.approx(4.0 * 5.99)
+    assert detector.deadline(0) == CONFIG.overdue_floor
+
+
+def test_overdue_span_is_evidence_on_the_stage_the_request_waits_at() -> None:
+    clock = FakeClock()
+    detector = Detector(CONFIG, THREE_STAGES, clock.monotonic())
+    now = clock.monotonic()
+    detector.observe(
+        [
+            Observation(ObservationKind.HEALTH, now, outcome="ok"),
+            Observation(ObservationKind.REQUEST_ADMITTED, now, request_id="a", path=(0, 1, 2)),
+            Observation(ObservationKind.STAGE_SPAN, now + 1, S0, 1.0, "ok", request_id="a"),
+        ]
+    )
+    report = detector.evaluate(now + 12.5)
+    assert EvidenceKind.SPAN_OVERDUE in kinds_of(report, S1)
+    assert EvidenceKind.SPAN_OVERDUE not in kinds_of(report, S0)
+    assert detector.in_flight(1) == 1 and detector.overdue_count(1, now + 12.5) == 1
+
+
+def test_zombie_helper_is_reported_not_judged() -> None:
+    world = World()
+    zombie = process(300, S1, ProcessRole.HELPER, ProcessStatus.ZOMBIE)
+
+    clock = FakeClock()
+    detector = Detector(CONFIG, THREE_STAGES, clock.monotonic())
+    for _ in range(30):
+        now = clock.monotonic()
+        detector.observe(world.tick(now, 0))
+        detector.observe([Observation(ObservationKind.PROCESS, now, process=zombie, outcome="zombie")])
+        report = detector.evaluate(now)
+        clock.advance(1.0)
+    assert state_of(report, S1) is StageState.HEALTHY
+
+
+def test_server_exit_after_engine_death_is_a_crash() -> None:
+    clock = FakeClock()
+    detector = Detector(CONFIG, ONE_STAGE, clock.monotonic())
+    engine = process(200, S0, ProcessRole.ENGINE, ProcessStatus.SLEEPING)
+    for second in range(12):
+        now = clock.monotonic()
+        health = "ok" if second < 8 else "unhealthy"
+        detector.observe([Observation(ObservationKind.HEALTH, now, outcome=health, detail="503")])
+        detector.observe([Observation(ObservationKind.PROCESS, now, process=ROOT, outcome="sleeping")])
+        outcome = "sleeping" if second < 8 else "exited"
+        detector.observe([Observation(ObservationKind.PROCESS, now, process=engine, outcome=outcome)])
+        assert detector.evaluate(now).target_exit is None
+        clock.advance(1.0)
+    detector.observe([Observation(ObservationKind.PROCESS, clock.monotonic(), process=ROOT,
+                                  outcome="exited")])
+    report = detector.evaluate(clock.monotonic())
+    assert report.target_exit is not None and report.target_exit.crashed
+    assert any("503" in reason for reason in report.target_exit.reasons)
+    assert any("exited" in reason for reason in report.target_exit.reasons)
+    assert not report.verdicts
+    assert state_of(report, S0) is StageState.DEAD
+    assert detector.evaluate(clock.monotonic()).target_exit is None
+
+
+def test_clean_stop_is_not_a_crash() -> None:
+    clock = FakeClock()
+    detector = Detector(CONFIG, ONE_STAGE, clock.monotonic())
+    engine = process(200, S0, ProcessRole.ENGINE, ProcessStatus.SLEEPING)
+    for _ in range(10):
+        now = clock.monotonic()
+        detector.observe([Observation(ObservationKind.HEALTH, now, outcome="ok")])
+        detector.observe([Observation(ObservationKind.PROCESS, now, process=engine, outcome="sleeping")])
+        detector.observe([Observation(ObservationKind.PROCESS, now, process=ROOT, outcome="sleeping")])
+        detector.evaluate(now)
+        clock.advance(1.0)
+    now = clock.monotonic()
+    detector.observe(
+        [
+            Observation(ObservationKind.HEALTH, now, outcome="refused"),
+            Observation(ObservationKind.PROCESS, now, process=engine, outcome="exited"),
+            Observation(ObservationKind.PROCESS, now + 0.2, process=ROOT, outcome="exited"),
+        ]
+    )
+    exit_ = detector.evaluate(now + 0.5).target_exit
+    assert exit_ is not None and not exit_.crashed
