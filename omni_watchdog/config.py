@@ -65,6 +65,9 @@ class DetectionConfig:
     progress_timeout: float = _duration(
         4.0, "Requests running on a stage and its progress counters flat for this long."
     )
+    stale_after: float = _duration(
+        3.0, "Metrics not refreshed for this long are unknown, never 'flat'."
+    )
     health_failures: int = _setting(
         3, "Consecutive failed /health calls (503, timeout, refused) before it is evidence."
     )

@@ -123,7 +123,7 @@ class Topology:
         return tuple(path)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class ProcessIdentity:
     """A process as the kernel names it for life: pid alone is reused, pid + start is not."""
 

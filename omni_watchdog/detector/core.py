@@ -56,7 +56,9 @@ class _StageMemory:
     last_heartbeat: float | None = None
     progress_value: float | None = None
     progress_changed_at: float | None = None
+    progress_moved_at: float | None = None
     load: float = 0.0
+    load_at: float | None = None
     load_positive_since: float | None = None
     last_span_ok: float | None = None
     durations: RollingQuantile = field(default_factory=RollingQuantile)
@@ -148,8 +150,10 @@ class Detector:
         if memory is None:
             return
         if memory.progress_value is None or obs.value != memory.progress_value:
+            # The first sample is only a baseline; movement is a change after it.
             if memory.progress_value is not None:
                 self._last_progress = obs.time
+                memory.progress_moved_at = obs.time
             memory.progress_value = obs.value
             memory.progress_changed_at = obs.time
 
@@ -162,6 +166,7 @@ class Detector:
         elif obs.value <= 0:
             memory.load_positive_since = None
         memory.load = obs.value
+        memory.load_at = obs.time
 
     def _on_health(self, obs: Observation) -> None:
         if obs.outcome == HealthOutcome.OK.value:
@@ -325,14 +330,15 @@ class Detector:
             return StageState.STALLED
         return StageState.DEGRADED
 
+    def _load(self, memory: _StageMemory, now: float) -> float:
+        """Requests on the stage, or 0 when the last scrape is too old to say."""
+        if memory.load_at is None or now - memory.load_at > self._config.stale_after:
+            return 0.0
+        return memory.load
+
     def _progressing(self, memory: _StageMemory, now: float) -> bool:
         window = self._config.progress_timeout
-        moved = (
-            memory.progress_changed_at is not None
-            and memory.progress_value is not None
-            and now - memory.progress_changed_at <= window
-            and memory.load > 0
-        )
+        moved = memory.progress_moved_at is not None and now - memory.progress_moved_at <= window
         spans = memory.last_span_ok is not None and now - memory.last_span_ok <= window
         return moved or spans
 
@@ -342,7 +348,7 @@ class Detector:
             memory.last_heartbeat is not None
             and now - memory.last_heartbeat <= self._config.heartbeat_timeout
         )
-        return beating and (memory.load <= 0 or self._progressing(memory, now))
+        return beating and (self._load(memory, now) <= 0 or self._progressing(memory, now))
 
     def _own_evidence(self, ref: StageRef, memory: _StageMemory, now: float) -> list[Evidence]:
         config = self._config
@@ -370,7 +376,8 @@ class Detector:
                     f" oldest {late[0].request_id}",
                 )
             )
-        if memory.load > 0 and memory.load_positive_since is not None:
+        load = self._load(memory, now)
+        if load > 0 and memory.load_positive_since is not None:
             flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
             if now - flat_from > config.progress_timeout:
                 found.append(
@@ -378,7 +385,7 @@ class Detector:
                         EvidenceKind.PROGRESS_FLAT,
                         ref,
                         flat_from + config.progress_timeout,
-                        f"{memory.load:g} request(s) on the stage, counters flat for"
+                        f"{load:g} request(s) on the stage, counters flat for"
                         f" {now - flat_from:.1f}s",
                     )
                 )
@@ -419,7 +426,7 @@ class Detector:
                         )
                     )
                     return found
-        if live and memory.load > 0 and memory.load_positive_since is not None:
+        if live and self._load(memory, now) > 0 and memory.load_positive_since is not None:
             busy_from = max(max(p.cpu_changed_at for p in live), memory.load_positive_since)
             if now - busy_from > config.stuck_timeout:
                 found.append(

@@ -175,13 +175,18 @@ class Policy:
         assert self._current is not None
         return self._current
 
-    def resume(self, snapshot_of: Callable[[tuple[ProcessIdentity, ...]], TargetSnapshot]) -> None:
+    def resume(
+        self,
+        snapshot_of: Callable[
+            [ProcessIdentity | None, tuple[ProcessIdentity, ...]], TargetSnapshot
+        ],
+    ) -> None:
         """Continue the journal's open incident, if any, from the step after its last."""
         for entry in self._journal.replay():
             incident = entry.incident
             if incident.outcome is not IncidentOutcome.OPEN:
                 continue
-            target = snapshot_of(entry.processes)
+            target = snapshot_of(entry.root, entry.processes)
             if target.root is not None:
                 self._handled_roots.add(target.root)
             log_event(
@@ -224,7 +229,7 @@ class Policy:
 
     def _record(self, incident: Incident, target: TargetSnapshot) -> None:
         self._incidents[incident.incident_id] = incident
-        self._journal.record(incident, target.identities, target.pgids())
+        self._journal.record(incident, target.root, target.identities, target.pgids())
         self._bundles.write_json(incident.incident_id, "incident.json", incident)
 
     def _wall_of(self, monotonic_time: float) -> float:

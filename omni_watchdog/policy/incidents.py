@@ -92,6 +92,7 @@ class JournalEntry:
     """An incident as the journal knows it, with the processes it was about."""
 
     incident: Incident
+    root: ProcessIdentity | None
     processes: tuple[ProcessIdentity, ...]
     pgids: tuple[int, ...]
 
@@ -106,12 +107,14 @@ class IncidentJournal:
     def record(
         self,
         incident: Incident,
+        root: ProcessIdentity | None = None,
         processes: tuple[ProcessIdentity, ...] = (),
         pgids: tuple[int, ...] = (),
     ) -> None:
         line = json.dumps(
             {
                 "incident": to_jsonable(incident),
+                "root": [root.pid, root.create_time] if root else None,
                 "processes": [[p.pid, p.create_time] for p in processes],
                 "pgids": list(pgids),
             }
@@ -130,12 +133,16 @@ class IncidentJournal:
             try:
                 data = json.loads(line)
                 incident = incident_from_json(data["incident"])
-            except (ValueError, KeyError, TypeError):
+                processes = tuple(ProcessIdentity(int(p), float(t)) for p, t in data["processes"])
+                root = (
+                    ProcessIdentity(int(data["root"][0]), float(data["root"][1]))
+                    if data.get("root")
+                    else None
+                )
+                pgids = tuple(int(g) for g in data["pgids"])
+            except (ValueError, KeyError, TypeError, IndexError):
                 continue
-            processes = tuple(ProcessIdentity(int(p), float(t)) for p, t in data["processes"])
-            latest[incident.incident_id] = JournalEntry(
-                incident, processes, tuple(int(g) for g in data["pgids"])
-            )
+            latest[incident.incident_id] = JournalEntry(incident, root, processes, pgids)
         return sorted(latest.values(), key=lambda entry: entry.incident.opened)
 
 

@@ -1,0 +1,408 @@
+"""The watchdog process: probes feed the detector, the detector feeds the policy.
+
+Everything runs on one event loop. Each probe has its own periodic task, so a probe that
+hangs or fails only delays itself; the evaluation task judges every `_EVALUATE_EVERY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+import psutil
+from aiohttp import web
+
+from omni_watchdog.config import WatchdogConfig, split_host_port
+from omni_watchdog.detector import Detector, DetectorReport
+from omni_watchdog.log import log_event
+from omni_watchdog.policy.actuators import Actuators, SignalGuard, is_alive
+from omni_watchdog.policy.capture import Capturer, find_py_spy
+from omni_watchdog.policy.core import Policy
+from omni_watchdog.policy.incidents import (
+    BundleWriter,
+    EnforcementBudget,
+    IncidentJournal,
+    TargetLock,
+)
+from omni_watchdog.policy.ladder import (
+    GpuReading,
+    LadderRunner,
+    TargetSnapshot,
+    gpu_baseline,
+    ladder_from_config,
+)
+from omni_watchdog.probes.canary import CanaryProbe
+from omni_watchdog.probes.gpu import GpuProbe, load_nvml
+from omni_watchdog.probes.health import HealthProbe
+from omni_watchdog.probes.metrics import MetricsProbe
+from omni_watchdog.probes.processes import ProcessTracker
+from omni_watchdog.probes.span_store import SpanStore
+from omni_watchdog.probes.spans import SpanForwarder, SpanReceiver
+from omni_watchdog.topology import default_topology, load_topology
+from omni_watchdog.types import (
+    Clock,
+    Observation,
+    ObservationKind,
+    ProcessIdentity,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStatus,
+    Topology,
+)
+
+logger = logging.getLogger("omni_watchdog.app")
+
+_EVALUATE_EVERY = 0.25
+_SPANS_EVERY = 0.1
+_CANARY_CHECK_EVERY = 0.25
+
+
+@dataclass
+class ProbeHealth:
+    """How one probe is doing, for /v1/status and the exporter."""
+
+    name: str
+    up: bool = True
+    errors_total: int = 0
+    last_error: str = ""
+    last_duration: float = 0.0
+    runs_total: int = 0
+    errors_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def gpu_reading_of(observations: Sequence[Observation]) -> GpuReading:
+    by_device: dict[int, float] = {}
+    by_pid: dict[int, float] = {}
+    for obs in observations:
+        if obs.kind is ObservationKind.GPU_DEVICE and obs.gpu is not None:
+            by_device[obs.gpu] = obs.value
+        elif obs.kind is ObservationKind.GPU_PROCESS and obs.pid is not None:
+            by_pid[obs.pid] = by_pid.get(obs.pid, 0.0) + obs.value
+    return GpuReading(by_device, by_pid)
+
+
+class Watchdog:
+    """One watchdog attached to one target server."""
+
+    def __init__(
+        self,
+        config: WatchdogConfig,
+        clock: Clock,
+        psutil_module: ModuleType = psutil,
+        nvml_module: ModuleType | None = None,
+        topology: Topology | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self._psutil = psutil_module
+        self.topology = topology or (
+            load_topology(config.stage_config) if config.stage_config else default_topology()
+        )
+        self._nvml = (
+            nvml_module if nvml_module is not None else load_nvml(config.probes.gpu_backend)
+        )
+        self.started_wall = clock.wall()
+        self.probe_health: dict[str, ProbeHealth] = {}
+        self.last_report: DetectorReport | None = None
+        self.last_health: Observation | None = None
+        self.detector = Detector(config.detection, self.topology, clock.monotonic())
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runners: list[web.AppRunner] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._generation = 0
+        self._stopping = asyncio.Event()
+        self.api_port: int | None = None
+        self.otlp_port: int | None = None
+
+    # ---- life cycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        config = self.config
+        self._session = aiohttp.ClientSession()
+        session = self._session
+        state_dir = config.resolved_state_dir()
+        state_dir.mkdir(parents=True, exist_ok=True)
+        target = config.target
+        port = urlparse(target).port or (443 if target.startswith("https") else 80)
+
+        self.store = SpanStore(config.spans.ring_size)
+        forwarder = (
+            SpanForwarder(session, config.spans.forward_endpoint)
+            if config.spans.forward_endpoint
+            else None
+        )
+        self.receiver = SpanReceiver(config.spans, self.clock, self.store, forwarder)
+        self.tracker = ProcessTracker(
+            self._psutil,
+            self.clock,
+            own_pid=os.getpid(),
+            target_port=None if config.pid else port,
+            pid=config.pid or None,
+            topology=self.topology,
+        )
+        self.gpu = GpuProbe(self._nvml, self.clock, self.tracker.stage_of) if self._nvml else None
+        probes = config.probes
+        enabled = set(probes.enabled)
+        self.metrics = MetricsProbe(session, target, probes, self.clock)
+        periodic: list[tuple[Any, float]] = [
+            (self.tracker, probes.interval),
+            (HealthProbe(session, target, probes, self.clock), probes.health_interval),
+            (self.metrics, probes.metrics_interval),
+            (
+                CanaryProbe(session, target, probes, self.clock, self.detector_last_progress),
+                _CANARY_CHECK_EVERY,
+            ),
+            (self.receiver, _SPANS_EVERY),
+        ]
+        if self.gpu is not None:
+            periodic.append((self.gpu, probes.interval))
+        elif "gpu" in enabled:
+            self._probe_failed("gpu", "no NVML backend (gpu_backend none)")
+        periodic = [(probe, every) for probe, every in periodic if probe.name in enabled]
+
+        self.bundles = BundleWriter(state_dir / "incidents")
+        guard = SignalGuard(self._psutil, self.tracker.is_recorded)
+        self.actuators = Actuators(guard, session)
+        capture = Capturer(
+            self.actuators,
+            session,
+            self.bundles,
+            self.clock,
+            config.ladder.capture_timeout,
+            target,
+            probes.health_path,
+            probes.metrics_path,
+            self.store.to_jsonable,
+            self.gpu.last_snapshot if self.gpu else dict,
+            lambda info: self.alive(info.identity),
+            find_py_spy(),
+        )
+        runner = LadderRunner(
+            ladder_from_config(config.ladder),
+            config.ladder,
+            self.actuators,
+            capture,
+            self.read_gpu,
+            self.alive,
+            self.clock,
+            config.resolved_admin_url(),
+            config.admin_token,
+        )
+        self.policy = Policy(
+            config.mode,
+            runner,
+            IncidentJournal(state_dir / "journal.jsonl"),
+            EnforcementBudget(config.ladder.budget_per_hour),
+            TargetLock(),
+            self.bundles,
+            self.clock,
+            self.alive,
+        )
+
+        await self._serve(self.receiver.app(), config.spans.otlp_listen, "otlp")
+        from omni_watchdog.exporters.api import build_api
+
+        await self._serve(build_api(self), config.listen, "api")
+        for probe, every in periodic:
+            self.probe_health[probe.name] = ProbeHealth(probe.name)
+            self._spawn(self._probe_loop(probe, every))
+        self._spawn(self._evaluate_loop())
+        self.policy.resume(self._snapshot_of_identities)
+        log_event(
+            logger,
+            "watchdog_started",
+            target=target,
+            mode=config.mode.value,
+            api_port=self.api_port,
+            otlp_port=self.otlp_port,
+            stages=[s.name for s in self.topology.stages],
+            probes=sorted(self.probe_health),
+        )
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for runner in self._runners:
+            await runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        await self.stop()
+
+    # ---- what the policy reads ----------------------------------------------------
+
+    def alive(self, identity: ProcessIdentity) -> bool:
+        return is_alive(self._psutil, identity)
+
+    async def read_gpu(self) -> GpuReading | None:
+        if self.gpu is None:
+            return None
+        try:
+            return gpu_reading_of(await self.gpu.collect())
+        except Exception as error:  # a failing NVML must not stop the ladder
+            self._probe_failed("gpu", str(error))
+            return None
+
+    def detector_last_progress(self) -> float | None:
+        return self.detector.last_progress()
+
+    def snapshot(self, processes: tuple[ProcessInfo, ...] | None = None) -> TargetSnapshot:
+        recorded = self.tracker.recorded() if processes is None else processes
+        root = next((p for p in recorded if p.role is ProcessRole.API and not p.orphaned), None)
+        last = self.gpu.last_snapshot() if self.gpu else None
+        reading = _reading_of_snapshot(last) if last else None
+        return TargetSnapshot(
+            self.config.target,
+            root.identity if root else None,
+            recorded,
+            gpu_baseline(reading, recorded),
+        )
+
+    def _snapshot_of_identities(
+        self, root: ProcessIdentity | None, identities: tuple[ProcessIdentity, ...]
+    ) -> TargetSnapshot:
+        """A journal's processes, as far as they are still the same processes."""
+        infos = []
+        for identity in identities:
+            try:
+                process = self._psutil.Process(identity.pid)
+                title = " ".join(process.cmdline()) or process.name()
+                pgid = os.getpgid(identity.pid)
+            except (self._psutil.Error, OSError):
+                continue
+            if abs(process.create_time() - identity.create_time) > 0.01:
+                continue
+            infos.append(
+                ProcessInfo(
+                    identity.pid,
+                    identity.create_time,
+                    process.ppid(),
+                    pgid,
+                    os.getsid(identity.pid),
+                    title,
+                    ProcessStatus.SLEEPING,
+                    0.0,
+                    ProcessRole.API if identity == root else ProcessRole.HELPER,
+                )
+            )
+        return TargetSnapshot(self.config.target, root, tuple(infos), None)
+
+    # ---- loops --------------------------------------------------------------------
+
+    def _spawn(self, coroutine: Awaitable[None]) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coroutine))  # type: ignore[arg-type]
+
+    async def _serve(self, app: web.Application, listen: str, which: str) -> None:
+        host, port = split_host_port(listen, which)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        bound = int(runner.addresses[0][1])
+        self._runners.append(runner)
+        if which == "otlp":
+            self.otlp_port = bound
+        else:
+            self.api_port = bound
+
+    async def _probe_loop(self, probe: Any, every: float) -> None:
+        health = self.probe_health[probe.name]
+        while True:
+            begun = self.clock.monotonic()
+            try:
+                observations = await probe.collect()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                self._probe_failed(probe.name, str(error) or type(error).__name__)
+            else:
+                health.up = True
+                health.last_error = ""
+                self._take(probe, observations)
+            health.runs_total += 1
+            health.last_duration = self.clock.monotonic() - begun
+            await asyncio.sleep(max(0.0, every - health.last_duration))
+
+    def _probe_failed(self, name: str, reason: str) -> None:
+        health = self.probe_health.setdefault(name, ProbeHealth(name))
+        if health.up or health.last_error != reason:
+            log_event(logger, "probe_failed", logging.WARNING, probe=name, reason=reason)
+        health.up = False
+        health.errors_total += 1
+        health.last_error = reason
+        key = reason.split(":")[0][:60]
+        health.errors_by_reason[key] = health.errors_by_reason.get(key, 0) + 1
+
+    def _take(self, probe: Any, observations: Sequence[Observation]) -> None:
+        if probe is self.receiver:
+            for pid, (stage, kind) in self.store.pid_stages().items():
+                self.tracker.learn_stage(pid, stage, kind)
+        for obs in observations:
+            if obs.kind is ObservationKind.HEALTH:
+                self.last_health = obs
+        self.detector.observe(observations)
+        if probe is self.tracker and self.tracker.generation != self._generation:
+            self._reattach()
+
+    def _reattach(self) -> None:
+        """A new server answers on the target: judge the old one's exit, then start afresh."""
+        previous = self.tracker.previous_generation()
+        if self._generation > 0:
+            report = self.detector.evaluate(self.clock.monotonic())
+            self.policy.on_report(report, lambda: self.snapshot(previous))
+        self._generation = self.tracker.generation
+        self.detector = Detector(self.config.detection, self.topology, self.clock.monotonic())
+        root = self.tracker.root
+        log_event(
+            logger,
+            "attached",
+            generation=self._generation,
+            pid=root.pid if root else None,
+            processes=len(self.tracker.recorded()),
+        )
+
+    async def _evaluate_loop(self) -> None:
+        while True:
+            report = self.detector.evaluate(self.clock.monotonic())
+            self.last_report = report
+            for verdict in report.verdicts:
+                log_event(
+                    logger,
+                    "verdict",
+                    stage=str(verdict.stage),
+                    state=verdict.state.value,
+                    evidence=[f"{e.kind.value}: {e.detail}" for e in verdict.evidence],
+                )
+            if report.target_exit is not None:
+                log_event(
+                    logger,
+                    "target_exited",
+                    crashed=report.target_exit.crashed,
+                    reasons=list(report.target_exit.reasons),
+                )
+            self.policy.on_report(report, self.snapshot)
+            await asyncio.sleep(_EVALUATE_EVERY)
+
+
+def _reading_of_snapshot(snapshot: dict[str, Any]) -> GpuReading | None:
+    devices = snapshot.get("devices") or []
+    if snapshot.get("time") is None:
+        return None
+    by_pid: dict[int, float] = {}
+    for device in devices:
+        for process in device["processes"]:
+            by_pid[process["pid"]] = by_pid.get(process["pid"], 0.0) + process["used_bytes"]
+    return GpuReading({d["index"]: float(d["used_bytes"]) for d in devices}, by_pid)

@@ -1,0 +1,139 @@
+"""`omni-watchdog`: run the watchdog, the simulated server, or the demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from omni_watchdog import __version__
+from omni_watchdog.config import ConfigError, WatchdogConfig, describe_defaults, load_config
+from omni_watchdog.log import configure_logging
+from omni_watchdog.topology import TopologyError
+
+
+def _set_override(overrides: dict[str, Any], dotted: str, value: Any) -> None:
+    *sections, name = dotted.split(".")
+    level = overrides
+    for section in sections:
+        level = level.setdefault(section, {})
+    level[name] = value
+
+
+def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given on the command line, as a config layer."""
+    overrides: dict[str, Any] = {}
+    flags = {
+        "target": "target",
+        "pid": "pid",
+        "stage_config": "stage_config",
+        "listen": "listen",
+        "otlp_listen": "spans.otlp_listen",
+        "mode": "mode",
+        "gpu_backend": "probes.gpu_backend",
+        "state_dir": "state_dir",
+    }
+    for attribute, dotted in flags.items():
+        value = getattr(args, attribute, None)
+        if value is not None:
+            _set_override(overrides, dotted, value)
+    for assignment in args.set or ():
+        dotted, sep, value = assignment.partition("=")
+        if not sep:
+            raise ConfigError(f"command line: --set {assignment!r}: expected FIELD=VALUE")
+        _set_override(overrides, dotted.strip(), value)
+    return overrides
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="base URL of the server (default http://127.0.0.1:8000)")
+    parser.add_argument("--pid", type=int, help="the server's pid (default: find it by port)")
+    parser.add_argument("--stage-config", help="vLLM-Omni stage config (0.11 or 0.30 schema)")
+    parser.add_argument("--listen", help="HOST:PORT of the watchdog API (default 127.0.0.1:9464)")
+    parser.add_argument("--otlp-listen", help="HOST:PORT of the OTLP receiver (default :4318)")
+    parser.add_argument("--mode", choices=["observe", "dry-run", "enforce"])
+    parser.add_argument("--gpu-backend", choices=["nvml", "sim", "none"])
+    parser.add_argument("--state-dir", help="journal, bundles (default ~/.local/state/...)")
+    parser.add_argument("--config", help="YAML config file")
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="any config field, e.g. --set detection.heartbeat_timeout=2s (repeatable)",
+    )
+    parser.add_argument("--log-level", default="info")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omni-watchdog",
+        description="Trace, detect and clean up stalled vLLM / vLLM-Omni stages.",
+    )
+    parser.add_argument("--version", action="version", version=f"omni-watchdog {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="attach to a server and watch it")
+    _add_run_arguments(run)
+
+    from omni_watchdog.sim.cli import add_arguments as add_sim_arguments
+
+    sim = commands.add_parser("sim", help="run the simulated vLLM-Omni server")
+    add_sim_arguments(sim)
+
+    demo = commands.add_parser("demo", help="the report's hang, detected and cleaned up")
+    demo.add_argument("--json", action="store_true", help="end with one JSON summary line")
+    demo.add_argument("--fault", default="1:engine-dead-hang", help="[STAGE:]KIND to inject")
+    demo.add_argument("--model-generation", default="0.11", choices=["0.11", "0.30"])
+
+    config = commands.add_parser("config", help="check a config, or list every default")
+    config.add_argument("--config", help="YAML config file to check")
+    config.add_argument("--defaults", action="store_true", help="print every field and default")
+    return parser
+
+
+async def _run_watchdog(config: WatchdogConfig) -> int:
+    from omni_watchdog.app import Watchdog
+    from omni_watchdog.clock import SystemClock
+
+    watchdog = Watchdog(config, SystemClock())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await watchdog.start()
+    await watchdog.run_until(stop)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            configure_logging(args.log_level)
+            config = load_config(args.config, overrides=overrides_of(args))
+            return asyncio.run(_run_watchdog(config))
+        if args.command == "sim":
+            from omni_watchdog.sim.cli import run as run_sim
+
+            return run_sim(args)
+        if args.command == "demo":
+            from omni_watchdog.demo import run_demo
+
+            return run_demo(args.fault, args.model_generation, as_json=args.json)
+        if args.config:
+            load_config(args.config, environ={})
+            print(f"{args.config}: ok")
+        if args.defaults or not args.config:
+            for name, default, doc in describe_defaults():
+                print(f"{name} = {default}\n    {doc}")
+        return 0
+    except (ConfigError, TopologyError) as error:
+        print(f"omni-watchdog: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

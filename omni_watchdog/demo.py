@@ -1,0 +1,305 @@
+"""`omni-watchdog demo`: the report's hang on the simulated server, detected and cleaned up.
+
+Starts the simulated vLLM-Omni server with the report's 3-stage config and a fault,
+attaches a watchdog in enforce mode, sends the report's request, and prints the
+timeline from the fault to the GPU memory coming back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from omni_watchdog.config import WatchdogConfig, load_config
+from omni_watchdog.types import Incident, IncidentOutcome, StepOutcome
+
+REPORT_REQUEST: dict[str, Any] = {
+    "model": "yujiepan/qwen2.5-omni-tiny-random",
+    "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is vLLM?"},
+    ],
+    "max_tokens": 256,
+    "temperature": 0.7,
+    "stream": False,
+}
+
+
+def example_config(generation: str) -> Path:
+    """The shipped stage config of a vLLM-Omni generation."""
+    name = "qwen2_5_omni_0.11.yaml" if generation == "0.11" else "qwen2_5_omni_0.30.yaml"
+    return Path(str(resources.files("omni_watchdog") / "examples" / name))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class SimServer:
+    """A simulated server this process started, in its own session and process group."""
+
+    port: int
+    state_dir: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def start(
+        cls,
+        workdir: Path,
+        faults: list[str],
+        generation: str = "0.11",
+        stage_config: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        extra_args: list[str] | None = None,
+        port: int | None = None,
+    ) -> SimServer:
+        port = port or free_port()
+        state_dir = workdir / "sim-state"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        log_path = workdir / "sim.log"
+        child_env = {**os.environ, **(env or {}), "OMNI_WATCHDOG_SIM_STATE": str(state_dir)}
+        argv = [
+            sys.executable,
+            "-m",
+            "omni_watchdog.sim",
+            "--stage-config",
+            str(stage_config or example_config(generation)),
+            "--model-generation",
+            generation,
+            "--port",
+            str(port),
+            "--state-dir",
+            str(state_dir),
+            *[arg for fault in faults for arg in ("--fault", fault)],
+            *(extra_args or []),
+        ]
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+            )
+        return cls(port, state_dir, process, log_path, child_env)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.state_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        events = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+        return events
+
+    def fault_time(self) -> float | None:
+        fired = [e["time"] for e in self.events() if e.get("event") == "fault_triggered"]
+        return min(fired) if fired else None
+
+    def stop(self) -> None:
+        """End whatever is left of the server this process started (its whole group)."""
+        # The server runs in a session of its own, so its group holds only its processes.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+
+
+async def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
+    """Poll until `predicate` returns something truthy, or raise TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"condition not met within {timeout:g}s")
+        await asyncio.sleep(interval)
+
+
+def demo_config(
+    workdir: Path, target: str, stage_config: Path, mode: str = "enforce"
+) -> WatchdogConfig:
+    return load_config(
+        environ={},
+        overrides={
+            "target": target,
+            "stage_config": str(stage_config),
+            "mode": mode,
+            "listen": "127.0.0.1:0",
+            "state_dir": str(workdir / "watchdog"),
+            "admin_token": "demo-token",
+            "spans": {"otlp_listen": "127.0.0.1:0"},
+            "probes": {"gpu_backend": "sim"},
+        },
+    )
+
+
+def _line(offset: float | None, what: str, text: str) -> str:
+    when = "        " if offset is None else f"{offset:+7.2f}s"
+    return f"  {when}  {what:<10} {text}"
+
+
+def timeline(incident: Incident, fault_time: float | None, fault: str) -> list[str]:
+    """The incident as lines people read: fault, evidence, verdict, steps, release."""
+    base = fault_time or incident.timeline.get("first_evidence") or incident.opened
+
+    def at(wall: float | None) -> float | None:
+        return None if wall is None else wall - base
+
+    lines = [_line(0.0 if fault_time else None, "fault", f"{fault} injected and fired")]
+    for verdict in incident.verdicts:
+        first = min(verdict.evidence, key=lambda e: e.since)
+        lines.append(
+            _line(
+                at(incident.timeline.get("first_evidence")),
+                "evidence",
+                f"{first.kind.value}: {first.detail}",
+            )
+        )
+        kinds = ", ".join(sorted({e.kind.value for e in verdict.evidence}))
+        lines.append(
+            _line(
+                at(incident.timeline.get("verdict")),
+                "verdict",
+                f"stage {verdict.stage} {verdict.state.value} ({kinds})",
+            )
+        )
+    for step in incident.steps:
+        lines.append(
+            _line(
+                at(step.started),
+                step.step.value,
+                f"{step.outcome.value} in {step.duration:.2f}s: {step.detail}",
+            )
+        )
+    released = incident.timeline.get("released")
+    if released is not None:
+        lines.append(_line(at(released), "released", "GPU memory back to baseline"))
+    lines.append(_line(None, "outcome", incident.outcome.value))
+    lines.append(_line(None, "bundle", str(incident.bundle_dir)))
+    return lines
+
+
+def summary(incident: Incident, fault_time: float | None) -> dict[str, Any]:
+    verdict_at = incident.timeline.get("verdict")
+    released_at = incident.timeline.get("released")
+    return {
+        "outcome": incident.outcome.value,
+        "incident_id": incident.incident_id,
+        "fault_to_verdict_s": None
+        if fault_time is None or verdict_at is None
+        else round(verdict_at - fault_time, 3),
+        "fault_to_released_s": None
+        if fault_time is None or released_at is None
+        else round(released_at - fault_time, 3),
+        "steps": [
+            {"name": s.step.value, "outcome": s.outcome.value, "duration": round(s.duration, 3)}
+            for s in incident.steps
+        ],
+        "bundle_dir": incident.bundle_dir,
+    }
+
+
+async def run_scenario(
+    workdir: Path,
+    faults: list[str],
+    generation: str,
+    mode: str = "enforce",
+    say: Callable[[str], None] = print,
+    timeout: float = 90.0,
+) -> tuple[Incident | None, float | None]:
+    """Sim + watchdog + the report's request; the first closed incident and the fault time."""
+    from omni_watchdog.app import Watchdog
+    from omni_watchdog.clock import SystemClock
+
+    state_dir = workdir / "sim-state"
+    # The watchdog's NVML stand-in reads the simulated devices from the same directory.
+    os.environ["OMNI_WATCHDOG_SIM_STATE"] = str(state_dir)
+    port = free_port()
+    stage_config = example_config(generation)
+    config = demo_config(workdir, f"http://127.0.0.1:{port}", stage_config, mode)
+    watchdog = Watchdog(config, SystemClock())
+    await watchdog.start()
+    env = {
+        "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{watchdog.otlp_port}/v1/traces",
+        "OMNI_WATCHDOG_ADMIN_TOKEN": "demo-token",
+    }
+    server = SimServer.start(workdir, faults, generation, stage_config, env=env, port=port)
+    try:
+        say(
+            f"simulated vLLM-Omni {generation} server starting on {server.url}"
+            f" (faults: {', '.join(faults)})"
+        )
+        await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 60)
+        root = watchdog.tracker.root
+        say(
+            f"watchdog attached to pid {root.pid if root else '?'}:"
+            f" {len(watchdog.tracker.live())} processes, mode {mode}"
+        )
+        say("sending the report's request (POST /v1/chat/completions)")
+        request = asyncio.create_task(_send_request(server.url))
+        incident = await wait_for(lambda: _closed_incident(watchdog), timeout)
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await request
+        return incident, server.fault_time()
+    finally:
+        await watchdog.stop()
+        server.stop()
+
+
+def _closed_incident(watchdog: Any) -> Incident | None:
+    return next((i for i in watchdog.policy.incidents() if i.closed is not None), None)
+
+
+async def _send_request(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        with contextlib.suppress(Exception):
+            async with session.post(
+                url + "/v1/chat/completions",
+                json=REPORT_REQUEST,
+                timeout=aiohttp.ClientTimeout(total=120),
+            ) as response:
+                await response.read()
+
+
+def run_demo(fault: str, generation: str, as_json: bool = False) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="omni-watchdog-demo-"))
+    print("omni-watchdog demo: a stage error that hangs vLLM-Omni, detected and cleaned up\n")
+    incident, fault_time = asyncio.run(run_scenario(workdir, [fault], generation))
+    if incident is None:
+        print("no incident was recorded", file=sys.stderr)
+        return 1
+    print("\ntimeline (seconds from the fault):")
+    for line in timeline(incident, fault_time, fault):
+        print(line)
+    released = incident.outcome in (
+        IncidentOutcome.RECOVERED_BY_SHUTDOWN,
+        IncidentOutcome.RECOVERED_BY_TERM,
+        IncidentOutcome.RECOVERED_BY_KILL,
+    ) and any(s.outcome is StepOutcome.OK for s in incident.steps if s.step.value == "verify")
+    if as_json:
+        print(json.dumps(summary(incident, fault_time)))
+    return 0 if released else 1
