@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 
@@ -34,3 +35,8 @@ class FakeClock:
 
     def set(self, now: float) -> None:
         self._now = now
+
+    async def sleep(self, seconds: float) -> None:
+        """Stands in for asyncio.sleep: time passes at once, other tasks still get a turn."""
+        self.advance(seconds)
+        await asyncio.sleep(0)

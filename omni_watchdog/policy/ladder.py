@@ -113,6 +113,7 @@ class LadderRunner:
         clock: Clock,
         admin_url: str,
         admin_token: str,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._steps = steps
         self._config = config
@@ -123,6 +124,7 @@ class LadderRunner:
         self._clock = clock
         self._admin_url = admin_url
         self._admin_token = admin_token
+        self._sleep = sleep
 
     async def run(
         self,
@@ -265,7 +267,7 @@ class LadderRunner:
                 return StepOutcome.OK, f"every recorded process is gone; {memory_note}"
             if self._clock.monotonic() >= deadline:
                 break
-            await asyncio.sleep(_POLL)
+            await self._sleep(_POLL)
         if survivors:
             left = ", ".join(f"{p.pid} ({p.title})" for p in survivors)
             return StepOutcome.FAILED, f"still alive after {timeout:g}s: {left}; {memory_note}"
@@ -318,7 +320,7 @@ class LadderRunner:
         while self._survivors(snapshot):
             if self._clock.monotonic() >= deadline:
                 return False
-            await asyncio.sleep(_POLL)
+            await self._sleep(_POLL)
         return True
 
     @staticmethod

@@ -1,0 +1,382 @@
+"""Policy and ladder tables: fake processes and clock; each safety rule has its own test."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import aiohttp
+import pytest
+from fakes import FakePsutil, info
+
+from omni_watchdog.clock import FakeClock
+from omni_watchdog.config import LadderConfig
+from omni_watchdog.detector import DetectorReport
+from omni_watchdog.policy.actuators import Actuators, SignalGuard, is_alive
+from omni_watchdog.policy.core import Policy
+from omni_watchdog.policy.incidents import (
+    BundleWriter,
+    EnforcementBudget,
+    IncidentJournal,
+    TargetLock,
+)
+from omni_watchdog.policy.ladder import (
+    GpuReading,
+    LadderRunner,
+    TargetSnapshot,
+    gpu_baseline,
+    ladder_from_config,
+)
+from omni_watchdog.types import (
+    Evidence,
+    EvidenceKind,
+    Incident,
+    IncidentOutcome,
+    Mode,
+    ProcessIdentity,
+    ProcessInfo,
+    ProcessRole,
+    StageRef,
+    StageState,
+    StepName,
+    StepOutcome,
+    StepResult,
+    Verdict,
+)
+
+OWN_PID, OWN_PGID = 999, 999
+VERDICT = Verdict(
+    StageRef(1),
+    StageState.DEAD,
+    1000.0,
+    (Evidence(EvidenceKind.PROCESS_EXIT, StageRef(1), 999.0, "engine exited"),),
+)
+TERM, KILL = int(signal.SIGTERM), int(signal.SIGKILL)
+
+
+class Rig:
+    """A policy wired to fakes: processes, GPU memory, clock, a refused admin port."""
+
+    def __init__(self, tmp_path: Path, fake: FakePsutil, mode: Mode, budget: int = 3) -> None:
+        self.fake = fake
+        self.clock = FakeClock()
+        self.processes: list[ProcessInfo] = []
+        self.gpu_by_pid: dict[int, float] = {}
+        self.captures = 0
+        self.tmp_path = tmp_path
+        self.mode = mode
+        self.budget = budget
+
+    def process(self, pid: int, pgid: int, role: ProcessRole, **kwargs) -> ProcessInfo:
+        entry = info(pid, pgid, role, kwargs.pop("recorded_time", 100.0))
+        self.fake.add(pid, pgid, kwargs.pop("create_time", 100.0), kwargs.pop("ignores", None))
+        self.processes.append(entry)
+        return entry
+
+    def recorded(self, identity: ProcessIdentity) -> bool:
+        return identity in {p.identity for p in self.processes}
+
+    def alive(self, identity: ProcessIdentity) -> bool:
+        return is_alive(self.fake, identity)
+
+    async def read_gpu(self) -> GpuReading:
+        held = {pid: b for pid, b in self.gpu_by_pid.items() if pid in self.fake.table}
+        return GpuReading({0: 1e9 + sum(held.values())}, held)
+
+    async def capture(self, incident: Incident, snapshot: TargetSnapshot) -> StepResult:
+        self.captures += 1
+        return StepResult(StepName.CAPTURE, StepOutcome.OK, self.clock.wall(), 0.0, "captured")
+
+    def snapshot(self) -> TargetSnapshot:
+        root = next(p for p in self.processes if p.role is ProcessRole.API)
+        reading = GpuReading({0: 1e9 + sum(self.gpu_by_pid.values())}, dict(self.gpu_by_pid))
+        return TargetSnapshot(
+            "http://127.0.0.1:1",
+            root.identity,
+            tuple(self.processes),
+            gpu_baseline(reading, tuple(self.processes)),
+        )
+
+    def policy(self, session: aiohttp.ClientSession, lock_dir: Path | None = None) -> Policy:
+        config = LadderConfig(term_grace=3.0, kill_grace=1.0, release_timeout=2.0)
+        guard = SignalGuard(self.fake, self.recorded, OWN_PID, OWN_PGID, self.fake.getpgid)
+        actuators = Actuators(guard, session, kill=self.fake.kill, killpg=self.fake.killpg)
+        runner = LadderRunner(
+            ladder_from_config(config),
+            config,
+            actuators,
+            self.capture,
+            self.read_gpu,
+            self.alive,
+            self.clock,
+            "http://127.0.0.1:1/admin/shutdown",
+            "token",
+            sleep=self.clock.sleep,
+        )
+        return Policy(
+            self.mode,
+            runner,
+            IncidentJournal(self.tmp_path / "journal.jsonl"),
+            EnforcementBudget(self.budget),
+            TargetLock(lock_dir or self.tmp_path / "locks"),
+            BundleWriter(self.tmp_path / "incidents"),
+            self.clock,
+            self.alive,
+        )
+
+
+def report(warm: bool = True, verdicts: tuple[Verdict, ...] = (VERDICT,)) -> DetectorReport:
+    return DetectorReport(1000.0, warm, (), verdicts)
+
+
+def run_incident(rig: Rig, *, warm: bool = True, lock_dir: Path | None = None) -> Incident | None:
+    async def scenario() -> Incident | None:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session, lock_dir)
+            task = policy.on_report(report(warm), rig.snapshot)
+            return None if task is None else await task
+
+    return asyncio.run(scenario())
+
+
+def the_0_11_tree(rig: Rig, ignores: set[int] | None = None) -> None:
+    """API, two stage workers and an engine in one group, like vLLM-Omni 0.11."""
+    rig.process(100, 100, ProcessRole.API, ignores=ignores)
+    rig.process(101, 100, ProcessRole.STAGE, ignores=ignores)
+    rig.process(102, 100, ProcessRole.STAGE, ignores=ignores)
+    rig.process(103, 100, ProcessRole.ENGINE, ignores=ignores)
+    rig.gpu_by_pid.update({101: 5e8, 103: 7e9})
+
+
+def test_sigterm_obeyed_recovers_by_term(tmp_path: Path, fake_psutil: FakePsutil) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    incident = run_incident(rig)
+    assert incident is not None and incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    assert [s.step for s in incident.steps] == [
+        StepName.CAPTURE,
+        StepName.SHUTDOWN,
+        StepName.TERMINATE,
+        StepName.VERIFY,
+    ]
+    assert incident.steps[1].outcome is StepOutcome.UNREACHABLE
+    assert fake_psutil.signals == [("killpg", 100, TERM)]
+
+
+def test_ignored_sigterm_escalates_to_kill_and_memory_is_released(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig, ignores={TERM})
+    incident = run_incident(rig)
+    assert incident is not None and incident.outcome is IncidentOutcome.RECOVERED_BY_KILL
+    assert ("killpg", 100, KILL) in fake_psutil.signals
+    assert fake_psutil.table == {}
+    verify = incident.steps[-1]
+    assert verify.step is StepName.VERIFY and verify.outcome is StepOutcome.OK
+
+
+def test_escaped_child_holding_memory_is_killed_by_pid(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig, ignores={TERM})
+    # It called setsid: its own group, which also holds a process that is not ours.
+    rig.process(104, 104, ProcessRole.HELPER, ignores={TERM})
+    fake_psutil.add(500, 104)
+    rig.gpu_by_pid[104] = 1e9
+    incident = run_incident(rig)
+    assert incident is not None and incident.outcome is IncidentOutcome.RECOVERED_BY_KILL
+    assert ("kill", 104, KILL) in fake_psutil.signals
+    assert not any(s[0] == "killpg" and s[1] == 104 for s in fake_psutil.signals)
+    assert 500 in fake_psutil.table
+
+
+def test_memory_still_held_ends_leaked(tmp_path: Path, fake_psutil: FakePsutil) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+
+    async def stuck_gpu() -> GpuReading:
+        return GpuReading({0: 1e9 + 7.5e9}, {})
+
+    rig.read_gpu = stuck_gpu  # type: ignore[method-assign]
+    incident = run_incident(rig)
+    assert incident is not None and incident.outcome is IncidentOutcome.LEAKED
+
+
+def test_no_action_before_warm_up_ends(tmp_path: Path, fake_psutil: FakePsutil) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    assert run_incident(rig, warm=False) is None
+    assert fake_psutil.signals == [] and rig.captures == 0
+
+
+def test_a_reused_pid_is_never_signalled(tmp_path: Path, fake_psutil: FakePsutil) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    rig.process(100, 100, ProcessRole.API, ignores={TERM})
+    # Recorded at create time 100; the pid now belongs to a process started at 250.
+    rig.process(101, 101, ProcessRole.ENGINE, create_time=250.0, recorded_time=100.0)
+    incident = run_incident(rig)
+    assert incident is not None
+    assert all(s[1] != 101 for s in fake_psutil.signals)
+    assert 101 in fake_psutil.table
+
+
+def test_never_the_watchdog_its_group_or_pid_1(tmp_path: Path, fake_psutil: FakePsutil) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    # A server started from the watchdog's own shell script shares the watchdog's group.
+    rig.process(100, OWN_PGID, ProcessRole.API)
+    rig.process(OWN_PID, OWN_PGID, ProcessRole.HELPER)
+    rig.process(1, 1, ProcessRole.HELPER)
+    run_incident(rig)
+    assert ("kill", 100, TERM) in fake_psutil.signals
+    assert all(s[1] not in (OWN_PID, OWN_PGID, 1) for s in fake_psutil.signals)
+    assert OWN_PID in fake_psutil.table and 1 in fake_psutil.table
+    guard = SignalGuard(fake_psutil, rig.recorded, OWN_PID, OWN_PGID, fake_psutil.getpgid)
+    assert "itself" in guard.check_process(ProcessIdentity(OWN_PID, 100.0))
+    assert "pid 1" in guard.check_process(ProcessIdentity(1, 100.0))
+    assert "own process group" in guard.check_group(OWN_PGID)
+
+
+def test_a_group_with_a_foreign_member_is_signalled_pid_by_pid(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    fake_psutil.add(600, 100)  # the shell that started the server, in its group
+    run_incident(rig)
+    assert not any(s[0] == "killpg" for s in fake_psutil.signals)
+    assert {s[1] for s in fake_psutil.signals} == {100, 101, 102, 103}
+    assert 600 in fake_psutil.table
+
+
+def test_one_incident_at_a_time(tmp_path: Path, fake_psutil: FakePsutil) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig, ignores={TERM})
+
+    async def scenario() -> tuple[object, object]:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            first = policy.on_report(report(), rig.snapshot)
+            second = policy.on_report(report(), rig.snapshot)
+            assert first is not None
+            await first
+            return second, len(policy.incidents())
+
+    second, count = asyncio.run(scenario())
+    assert second is None and count == 1
+
+
+def test_enforcement_budget_per_hour(tmp_path: Path, fake_psutil: FakePsutil) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE, budget=1)
+
+    async def scenario() -> list[Incident]:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            done = []
+            for pid in (100, 200):
+                rig.processes.clear()
+                rig.process(pid, pid, ProcessRole.API)
+                task = policy.on_report(report(), rig.snapshot)
+                assert task is not None
+                done.append(await task)
+            rig.clock.advance(3601)
+            rig.processes.clear()
+            rig.process(300, 300, ProcessRole.API)
+            task = policy.on_report(report(), rig.snapshot)
+            assert task is not None
+            done.append(await task)
+            assert policy.budget_exhausted_total == 1
+            return done
+
+    first, second, third = asyncio.run(scenario())
+    assert first.mode is Mode.ENFORCE and first.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    assert second.mode is Mode.OBSERVE and "budget" in second.cause
+    assert ("killpg", 200, TERM) not in fake_psutil.signals
+    assert third.mode is Mode.ENFORCE
+
+
+def test_restarted_watchdog_resumes_the_open_incident(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig, ignores={TERM})
+    snapshot = rig.snapshot()
+    # The previous watchdog died after capture and a refused shutdown, before SIGTERM.
+    half_done = Incident(
+        "20260101T000000Z-abcdef",
+        snapshot.target,
+        Mode.ENFORCE,
+        rig.clock.wall(),
+        "stage 1.0 dead",
+        (VERDICT,),
+        (
+            StepResult(StepName.CAPTURE, StepOutcome.OK, 0.0, 1.0),
+            StepResult(StepName.SHUTDOWN, StepOutcome.UNREACHABLE, 1.0, 0.1),
+        ),
+    )
+    IncidentJournal(tmp_path / "journal.jsonl").record(
+        half_done, snapshot.root, snapshot.identities, snapshot.pgids()
+    )
+
+    async def scenario() -> Incident:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            policy.resume(lambda root, identities: snapshot)
+            assert policy.busy
+            await policy.wait_idle()
+            return policy.incidents()[0]
+
+    resumed = asyncio.run(scenario())
+    assert rig.captures == 0
+    steps = [s.step for s in resumed.steps]
+    assert steps.count(StepName.CAPTURE) == 1 and steps.count(StepName.SHUTDOWN) == 1
+    assert resumed.outcome is IncidentOutcome.RECOVERED_BY_KILL
+    replayed = IncidentJournal(tmp_path / "journal.jsonl").replay()
+    assert len(replayed) == 1 and replayed[0].incident.outcome is IncidentOutcome.RECOVERED_BY_KILL
+
+
+def test_a_second_watchdog_on_the_same_target_does_not_act(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    other = TargetLock(tmp_path / "locks")
+    assert other.acquire(rig.snapshot().root)
+    try:
+        incident = run_incident(rig, lock_dir=tmp_path / "locks")
+    finally:
+        other.release()
+    assert incident is not None and incident.mode is Mode.OBSERVE
+    assert "lock" in incident.cause
+    assert fake_psutil.signals == []
+
+
+def test_dry_run_prints_the_exact_plan_and_signals_nothing(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.DRY_RUN)
+    the_0_11_tree(rig)
+    incident = run_incident(rig)
+    assert incident is not None and incident.outcome is IncidentOutcome.PLANNED
+    assert fake_psutil.signals == []
+    plan = {s.step: s for s in incident.steps}
+    assert plan[StepName.SHUTDOWN].detail == "would POST http://127.0.0.1:1/admin/shutdown"
+    assert "SIGTERM to process group(s) 100" in plan[StepName.TERMINATE].detail
+    assert "101" in plan[StepName.KILL].detail and "103" in plan[StepName.KILL].detail
+    assert all(s.outcome is StepOutcome.PLANNED for s in incident.steps[1:])
+
+
+def test_observe_mode_records_without_acting(tmp_path: Path, fake_psutil: FakePsutil) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.OBSERVE)
+    the_0_11_tree(rig)
+    incident = run_incident(rig)
+    assert incident is not None and incident.outcome is IncidentOutcome.OBSERVED
+    assert fake_psutil.signals == [] and rig.captures == 1
+
+
+@pytest.mark.parametrize("steps", [["capture", "verify"], ["kill", "verify"]])
+def test_the_ladder_is_data(steps: list[str]) -> None:
+    ladder = ladder_from_config(LadderConfig(steps=steps))
+    assert [s.name.value for s in ladder] == steps
