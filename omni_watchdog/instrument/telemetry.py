@@ -1,0 +1,375 @@
+"""Stage spans and loop heartbeats, exported over OTLP/HTTP from inside a served process.
+
+Everything here runs inside the server being watched, so no method lets an exception out,
+nothing blocks on the network (spans go to a bounded queue drained by the SDK's export
+thread), and a collector that is down costs dropped spans, counted, never a slower server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import types
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import Status, StatusCode, Tracer
+from opentelemetry.util.types import AttributeValue
+
+logger = logging.getLogger(__name__)
+
+ENDPOINT_ENV = "OMNI_WATCHDOG_OTLP_ENDPOINT"
+STANDARD_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+HEARTBEAT_INTERVAL_ENV = "OMNI_WATCHDOG_HEARTBEAT_INTERVAL"
+SERVICE_NAME_ENV = "OTEL_SERVICE_NAME"
+DEFAULT_SERVICE_NAME = "omni-watchdog-instrument"
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+TRACES_PATH = "/v1/traces"
+PROCESS_KINDS = frozenset({"api", "stage", "engine", "worker", "orchestrator"})
+
+ADMITTED_SPAN = "omni.request.admitted"
+STAGE_REQUEST_SPAN = "omni.stage.request"
+LOOP_SPAN = "omni.stage.loop"
+
+# A heartbeat must reach the watchdog within about a second: the export thread wakes this
+# often, and one export to a loopback collector takes milliseconds.
+SCHEDULE_DELAY_S = 0.25
+# Bounded memory when the collector is down; about a minute of a busy stage's spans.
+MAX_QUEUE_SIZE = 2048
+MAX_EXPORT_BATCH_SIZE = 512
+# Short enough that the SDK's exporter never retries with back-off (its first back-off is
+# 1 s and it does not retry past its deadline), so one dead collector costs 0.5 s a batch.
+EXPORT_TIMEOUT_S = 0.5
+
+
+class _SpanLedger:
+    """Counts spans accepted into the queue, settled by an export, and dropped."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self.dropped = 0
+
+    def admit(self) -> bool:
+        """Reserve a queue slot for one span; False (and counted as dropped) when full."""
+        with self._lock:
+            if self._in_flight >= self._capacity:
+                self.dropped += 1
+                return False
+            self._in_flight += 1
+            return True
+
+    def settle(self, count: int, delivered: bool) -> None:
+        with self._lock:
+            self._in_flight -= count
+            if not delivered:
+                self.dropped += count
+
+
+class _CountingExporter(SpanExporter):
+    """Delegates to the real exporter and books every batch as delivered or dropped."""
+
+    def __init__(self, exporter: SpanExporter, ledger: _SpanLedger) -> None:
+        self._exporter = exporter
+        self._ledger = ledger
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        result = SpanExportResult.FAILURE
+        try:
+            result = self._exporter.export(spans)
+        except Exception:
+            logger.debug("span export raised", exc_info=True)
+        self._ledger.settle(len(spans), delivered=result is SpanExportResult.SUCCESS)
+        return result
+
+    def shutdown(self) -> None:
+        self._exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._exporter.force_flush(timeout_millis)
+
+
+class _BoundedProcessor(SpanProcessor):
+    """Refuses spans beyond the queue's capacity itself, so that every drop is counted."""
+
+    def __init__(self, batch: SpanProcessor, ledger: _SpanLedger) -> None:
+        self._batch = batch
+        self._ledger = ledger
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self._ledger.admit():
+            self._batch.on_end(span)
+
+    def shutdown(self) -> None:
+        self._batch.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._batch.force_flush(timeout_millis)
+
+
+class _StageRequestSpan(AbstractContextManager[None]):
+    """One `omni.stage.request` span around a block; an exception marks it and goes on."""
+
+    def __init__(self, telemetry: StageTelemetry, tracer: Tracer, request_id: str) -> None:
+        self._telemetry = telemetry
+        self._tracer = tracer
+        self._request_id = request_id
+        self._span: trace.Span | None = None
+
+    def __enter__(self) -> None:
+        try:
+            self._span = self._tracer.start_span(
+                STAGE_REQUEST_SPAN,
+                attributes=self._telemetry.span_attributes(self._request_id),
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+        except Exception:
+            logger.debug("could not start a stage span", exc_info=True)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: types.TracebackType | None,
+    ) -> None:
+        if self._span is None:
+            return
+        try:
+            if exc is not None:
+                self._span.record_exception(exc)
+                self._span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            self._span.end()
+        except Exception:
+            logger.debug("could not end a stage span", exc_info=True)
+
+
+class StageTelemetry:
+    """Emits the spans of one process of a served pipeline (a stage, engine, API, ...)."""
+
+    def __init__(
+        self,
+        exporter: SpanExporter | None,
+        *,
+        process_kind: str,
+        stage_id: int | None = None,
+        stage_name: str | None = None,
+        replica: int | None = None,
+        service_name: str = DEFAULT_SERVICE_NAME,
+        pid: int | None = None,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        max_queue_size: int = MAX_QUEUE_SIZE,
+        schedule_delay_s: float = SCHEDULE_DELAY_S,
+    ) -> None:
+        self.process_kind = process_kind
+        self.stage_id = stage_id
+        self.stage_name = stage_name
+        self.replica = replica
+        self.heartbeat_interval = heartbeat_interval
+        self._ledger = _SpanLedger(max_queue_size)
+        self._stage_attributes: dict[str, AttributeValue] = {}
+        if stage_id is not None:
+            self._stage_attributes["omni.stage.id"] = stage_id
+        if replica is not None:
+            self._stage_attributes["omni.stage.replica"] = replica
+        self._shutdown_lock = threading.Lock()
+        self._provider: TracerProvider | None = None
+        self._tracer: Tracer | None = None
+        if exporter is None:
+            return
+        resource: dict[str, AttributeValue] = {
+            "service.name": service_name,
+            "omni.process.kind": process_kind,
+            "process.pid": os.getpid() if pid is None else pid,
+        }
+        if stage_name is not None:
+            resource["omni.stage.name"] = stage_name
+        resource.update(self._stage_attributes)
+        batch = BatchSpanProcessor(
+            _CountingExporter(exporter, self._ledger),
+            max_queue_size=max_queue_size,
+            schedule_delay_millis=schedule_delay_s * 1000,
+            max_export_batch_size=min(MAX_EXPORT_BATCH_SIZE, max_queue_size),
+            export_timeout_millis=EXPORT_TIMEOUT_S * 1000,
+        )
+        # A private provider: vLLM may install its own global one for `llm_request` spans.
+        self._provider = TracerProvider(resource=Resource(resource))
+        self._provider.add_span_processor(_BoundedProcessor(batch, self._ledger))
+        self._tracer = self._provider.get_tracer("omni_watchdog.instrument")
+
+    @classmethod
+    def from_environment(
+        cls,
+        *,
+        process_kind: str,
+        stage_id: int | None = None,
+        stage_name: str | None = None,
+        replica: int | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> StageTelemetry:
+        """Configured from `OMNI_WATCHDOG_*`/`OTEL_*` variables; disabled without an endpoint."""
+        env = os.environ if environ is None else environ
+        if process_kind not in PROCESS_KINDS:
+            logger.warning("omni-watchdog: unknown process kind %r", process_kind)
+        exporter: SpanExporter | None = None
+        endpoint = traces_endpoint(env)
+        if endpoint is not None:
+            try:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+
+                exporter = OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S)
+            except Exception:
+                logger.warning("omni-watchdog: no OTLP exporter, spans disabled", exc_info=True)
+        try:
+            return cls(
+                exporter,
+                process_kind=process_kind,
+                stage_id=stage_id,
+                stage_name=stage_name,
+                replica=replica,
+                service_name=env.get(SERVICE_NAME_ENV) or DEFAULT_SERVICE_NAME,
+                heartbeat_interval=heartbeat_interval(env),
+            )
+        except Exception:
+            logger.warning("omni-watchdog: telemetry setup failed, spans disabled", exc_info=True)
+            return cls(None, process_kind=process_kind, stage_id=stage_id, replica=replica)
+
+    @property
+    def enabled(self) -> bool:
+        return self._tracer is not None
+
+    @property
+    def dropped_spans(self) -> int:
+        return self._ledger.dropped
+
+    def span_attributes(self, request_id: str | None = None) -> dict[str, AttributeValue]:
+        """The stage's own attributes, plus the request id when there is one."""
+        attributes = dict(self._stage_attributes)
+        if request_id is not None:
+            attributes["omni.request.id"] = request_id
+        return attributes
+
+    def request_admitted(self, request_id: str, stage_path: Sequence[int]) -> None:
+        """A request entered the pipeline and is expected to visit these stages in order."""
+        if self._tracer is None:
+            return
+        try:
+            attributes = self.span_attributes(request_id)
+            attributes["omni.request.stage_path"] = [int(stage) for stage in stage_path]
+            self._tracer.start_span(ADMITTED_SPAN, attributes=attributes).end()
+        except Exception:
+            logger.debug("could not emit an admitted span", exc_info=True)
+
+    def stage_request(self, request_id: str) -> AbstractContextManager[None]:
+        """A span around this stage's work on one request."""
+        if self._tracer is None:
+            return nullcontext()
+        return _StageRequestSpan(self, self._tracer, request_id)
+
+    def record_stage_request(
+        self,
+        request_id: str,
+        start_time_ns: int,
+        end_time_ns: int,
+        error: str | None = None,
+        *,
+        stage_id: int | None = None,
+        replica: int | None = None,
+    ) -> None:
+        """The same span as `stage_request`, timed by a caller that cannot wrap the work.
+
+        `stage_id` and `replica` name the stage when the caller (an orchestrator) is not it.
+        """
+        if self._tracer is None:
+            return
+        try:
+            attributes = self.span_attributes(request_id)
+            if stage_id is not None:
+                attributes["omni.stage.id"] = stage_id
+            if replica is not None:
+                attributes["omni.stage.replica"] = replica
+            span = self._tracer.start_span(
+                STAGE_REQUEST_SPAN, attributes=attributes, start_time=start_time_ns
+            )
+            if error is not None:
+                span.add_event(
+                    "exception",
+                    {"exception.type": "StageError", "exception.message": error},
+                    timestamp=end_time_ns,
+                )
+                span.set_status(Status(StatusCode.ERROR, error))
+            span.end(end_time=end_time_ns)
+        except Exception:
+            logger.debug("could not record a stage span", exc_info=True)
+
+    def heartbeat(self) -> None:
+        """One `omni.stage.loop` span now: the loop that calls this is alive."""
+        if self._tracer is None:
+            return
+        try:
+            # A root span: a beat belongs to no request, whatever context the loop runs in.
+            self._tracer.start_span(
+                LOOP_SPAN, context=Context(), attributes=self.span_attributes()
+            ).end()
+        except Exception:
+            logger.debug("could not emit a heartbeat", exc_info=True)
+
+    async def heartbeat_loop(self, interval: float | None = None) -> None:
+        """Beat forever on the running event loop, so the beats stop exactly when it blocks."""
+        if self._tracer is None:
+            return
+        period = self.heartbeat_interval if interval is None else interval
+        while True:
+            self.heartbeat()
+            await asyncio.sleep(period)
+
+    def shutdown(self, timeout_s: float = 1.0) -> None:
+        """Flush what is queued and stop, waiting at most `timeout_s`; safe to call twice."""
+        with self._shutdown_lock:
+            provider, self._provider, self._tracer = self._provider, None, None
+        if provider is None:
+            return
+        # The SDK's own shutdown waits up to 30 s for a collector that does not answer.
+        stopper = threading.Thread(
+            target=provider.shutdown, name="omni-watchdog-telemetry-shutdown", daemon=True
+        )
+        try:
+            stopper.start()
+            stopper.join(timeout_s)
+        except Exception:
+            logger.debug("telemetry shutdown failed", exc_info=True)
+
+
+def traces_endpoint(environ: Mapping[str, str]) -> str | None:
+    """The OTLP/HTTP traces URL to export to, or None when none is configured."""
+    own = environ.get(ENDPOINT_ENV, "").strip()
+    if own:
+        parts = urlsplit(own)
+        return own if parts.path not in ("", "/") else own.rstrip("/") + TRACES_PATH
+    return environ.get(STANDARD_ENDPOINT_ENV, "").strip() or None
+
+
+def heartbeat_interval(environ: Mapping[str, str]) -> float:
+    """Seconds between heartbeats from `OMNI_WATCHDOG_HEARTBEAT_INTERVAL`, default 1."""
+    text = environ.get(HEARTBEAT_INTERVAL_ENV, "").strip()
+    if not text:
+        return DEFAULT_HEARTBEAT_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value > 0:
+        return value
+    logger.warning("omni-watchdog: ignoring %s=%r", HEARTBEAT_INTERVAL_ENV, text)
+    return DEFAULT_HEARTBEAT_INTERVAL_S

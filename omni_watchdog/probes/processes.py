@@ -1,0 +1,541 @@
+"""The processes probe: attach to the server, record its process tree, map it to stages.
+
+Every process ever seen in the target's tree is recorded by identity (pid + create time),
+so the actuators can later signal exactly these and never a process that reused a pid.
+Reading the process table runs in a thread; the recorded state is only changed on the
+event loop, so the query methods never see it half updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from types import ModuleType
+from typing import Any
+
+from omni_watchdog.types import (
+    Clock,
+    Observation,
+    ObservationKind,
+    ProbeError,
+    ProcessIdentity,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStatus,
+    StageRef,
+    Topology,
+)
+
+STAGE_ENGINE_TITLE = re.compile(r"VLLM::StageEngineCoreProc_stage(\d+)_replica(\d+)")
+ENGINE_CORE_TITLE = re.compile(r"VLLM::EngineCore(?:_DP(\d+))?(?![A-Za-z0-9])")
+WORKER_TITLE = re.compile(r"VLLM::Worker")
+SPAWN_MARKERS = ("multiprocessing.spawn", "from multiprocessing.spawn import spawn_main")
+RESOURCE_TRACKER_MARKER = "multiprocessing.resource_tracker"
+
+# Span resource attribute values (`omni.process.kind`, and vLLM's `vllm.process_kind`).
+ROLE_OF_KIND = {
+    "api": ProcessRole.API,
+    "orchestrator": ProcessRole.API,
+    "stage": ProcessRole.STAGE,
+    "engine": ProcessRole.ENGINE,
+    "engine_core": ProcessRole.ENGINE,
+    "worker": ProcessRole.WORKER,
+    "helper": ProcessRole.HELPER,
+}
+
+STATUS_OF_PSUTIL = {
+    "running": ProcessStatus.RUNNING,
+    "sleeping": ProcessStatus.SLEEPING,
+    "idle": ProcessStatus.SLEEPING,
+    "waking": ProcessStatus.SLEEPING,
+    "waiting": ProcessStatus.SLEEPING,
+    "parked": ProcessStatus.SLEEPING,
+    "locked": ProcessStatus.SLEEPING,
+    "wake-kill": ProcessStatus.SLEEPING,
+    "disk-sleep": ProcessStatus.DISK_SLEEP,
+    "stopped": ProcessStatus.STOPPED,
+    "tracing-stop": ProcessStatus.STOPPED,
+    "zombie": ProcessStatus.ZOMBIE,
+    "dead": ProcessStatus.EXITED,
+}
+
+
+def os_process_groups(pid: int) -> tuple[int, int]:
+    """(pgid, sid) of a live process, which psutil does not expose."""
+    return os.getpgid(pid), os.getsid(pid)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """One process as read from the process table, before roles are assigned."""
+
+    pid: int
+    create_time: float
+    ppid: int
+    pgid: int
+    sid: int
+    title: str
+    status: ProcessStatus
+    cpu_seconds: float
+
+    @property
+    def identity(self) -> ProcessIdentity:
+        return ProcessIdentity(self.pid, self.create_time)
+
+
+@dataclass
+class _Scan:
+    """What one pass over the process table found; applied on the event loop."""
+
+    tree: list[_Snapshot] | None = None
+    outside: dict[ProcessIdentity, _Snapshot | None] = field(default_factory=dict)
+    new_tree: list[_Snapshot] | None = None
+
+
+@dataclass
+class _Generation:
+    """The processes recorded for one attach to one server root."""
+
+    root: ProcessIdentity
+    records: dict[ProcessIdentity, ProcessInfo] = field(default_factory=dict)
+
+    def live(self) -> list[ProcessInfo]:
+        return [info for info in self.records.values() if info.status != ProcessStatus.EXITED]
+
+
+class ProcessTracker:
+    """Finds the server's root process and keeps its whole process tree recorded."""
+
+    name = "processes"
+
+    def __init__(
+        self,
+        psutil_module: ModuleType,
+        clock: Clock,
+        *,
+        own_pid: int,
+        target_port: int | None,
+        pid: int | None,
+        topology: Topology,
+        process_groups: Callable[[int], tuple[int, int]] = os_process_groups,
+    ) -> None:
+        if pid is None and target_port is None:
+            raise ValueError("ProcessTracker needs the server's pid or its port")
+        self._psutil = psutil_module
+        self._clock = clock
+        self._own_pid = own_pid
+        self._port = target_port
+        self._pid = pid
+        self._topology = topology
+        self._process_groups = process_groups
+        self._current: _Generation | None = None
+        self._previous: _Generation | None = None
+        self._learned: dict[int, tuple[StageRef, ProcessRole | None]] = {}
+        self.generation = 0
+        self.target_alive = False
+
+    # --- query API -------------------------------------------------------------------
+
+    @property
+    def root(self) -> ProcessInfo | None:
+        """The current generation's root process (status EXITED once it is gone)."""
+        if self._current is None:
+            return None
+        return self._current.records.get(self._current.root)
+
+    def recorded(self) -> tuple[ProcessInfo, ...]:
+        """Latest info of every process recorded in this generation, exited ones included."""
+        return tuple(self._current.records.values()) if self._current else ()
+
+    def live(self) -> tuple[ProcessInfo, ...]:
+        """Recorded processes of this generation that still exist (zombies included)."""
+        return tuple(self._current.live()) if self._current else ()
+
+    def previous_generation(self) -> tuple[ProcessInfo, ...]:
+        """Latest info of the processes recorded for the server before the last re-attach."""
+        return tuple(self._previous.records.values()) if self._previous else ()
+
+    def stage_of(self, pid: int) -> StageRef | None:
+        """The stage a live recorded process of this generation works for."""
+        for info in self.live():
+            if info.pid == pid:
+                return info.stage
+        return None
+
+    def is_recorded(self, identity: ProcessIdentity) -> bool:
+        """True for a process recorded in this or the previous generation (pid + start)."""
+        return any(
+            generation is not None and identity in generation.records
+            for generation in (self._current, self._previous)
+        )
+
+    def pgids(self) -> set[int]:
+        """Process groups of the live recorded processes, never the watchdog's own group."""
+        groups = {info.pgid for info in self.live() if info.pgid > 1}
+        with contextlib.suppress(OSError):
+            groups.discard(self._process_groups(self._own_pid)[0])
+        return groups
+
+    def learn_stage(self, pid: int, stage: StageRef, process_kind: str | None) -> None:
+        """Map a pid to a stage from span resource attributes; this beats titles and order."""
+        role = ROLE_OF_KIND.get(process_kind.lower()) if process_kind else None
+        self._learned[pid] = (stage, role)
+
+    # --- collection ------------------------------------------------------------------
+
+    async def collect(self) -> Sequence[Observation]:
+        root = self._current.root if self._current else None
+        recorded = [
+            info.identity
+            for generation in (self._current, self._previous)
+            if generation is not None
+            for info in generation.live()
+        ]
+        try:
+            scan = await asyncio.to_thread(self._scan, root, recorded)
+        except self._psutil.Error as error:
+            raise ProbeError(f"cannot read the process table: {error!r}") from None
+        return self._apply(scan)
+
+    def _scan(self, root: ProcessIdentity | None, recorded: list[ProcessIdentity]) -> _Scan:
+        """Read the process table: the current tree, recorded processes outside it, a new root."""
+        scan = _Scan()
+        if root is not None:
+            scan.tree = self._read_tree(root)
+        in_tree = {snapshot.identity for snapshot in scan.tree or ()}
+        for identity in recorded:
+            if identity not in in_tree:
+                scan.outside[identity] = self._read_identity(identity)
+        root_gone = not scan.tree or scan.tree[0].status == ProcessStatus.ZOMBIE
+        may_search = self._pid is None or root is None
+        if root_gone and may_search:
+            found = self._find_root()
+            # A recorded survivor that still holds the old socket is not a new server.
+            if found is not None and found != root and found not in recorded:
+                scan.new_tree = self._read_tree(found)
+        return scan
+
+    def _apply(self, scan: _Scan) -> list[Observation]:
+        now = self._clock.monotonic()
+        observations: list[Observation] = []
+        if self._previous is not None:
+            self._update_outside(self._previous, scan.outside, now)
+        if self._current is not None:
+            observations.extend(self._update(self._current, scan.tree, scan.outside, now))
+        if scan.new_tree:
+            if self._current is not None:
+                self._previous = self._current
+            self._current = _Generation(scan.new_tree[0].identity)
+            self.generation += 1
+            observations.extend(self._update(self._current, scan.new_tree, {}, now))
+        root = self.root
+        self.target_alive = root is not None and root.status not in (
+            ProcessStatus.EXITED,
+            ProcessStatus.ZOMBIE,
+        )
+        if self._current is None:
+            raise ProbeError(self._not_found_reason())
+        return observations
+
+    def _update(
+        self,
+        generation: _Generation,
+        tree: list[_Snapshot] | None,
+        outside: dict[ProcessIdentity, _Snapshot | None],
+        now: float,
+    ) -> list[Observation]:
+        """Record the tree, mark what left it as orphaned, and report every change."""
+        observations: list[Observation] = []
+        seen: set[ProcessIdentity] = set()
+        for info in self._classify(generation, tree or []):
+            seen.add(info.identity)
+            generation.records[info.identity] = info
+            observations.append(self._observation(info, now))
+        for identity, previous in list(generation.records.items()):
+            if identity in seen or previous.status == ProcessStatus.EXITED:
+                continue
+            snapshot = outside.get(identity)
+            if snapshot is None:
+                gone = replace(previous, status=ProcessStatus.EXITED)
+                generation.records[identity] = gone
+                self._forget_learned(gone.pid)
+                observations.append(self._observation(gone, now))
+                continue
+            learned = self._learned.get(identity.pid)
+            orphan = replace(
+                previous,
+                stage=learned[0] if learned else previous.stage,
+                ppid=snapshot.ppid,
+                pgid=snapshot.pgid,
+                sid=snapshot.sid,
+                title=snapshot.title,
+                status=snapshot.status,
+                cpu_seconds=snapshot.cpu_seconds,
+                orphaned=True,
+            )
+            generation.records[identity] = orphan
+            observations.append(self._observation(orphan, now))
+        return observations
+
+    def _update_outside(
+        self,
+        generation: _Generation,
+        outside: dict[ProcessIdentity, _Snapshot | None],
+        now: float,
+    ) -> None:
+        """Keep a previous generation's survivors current, silently: the lead cleans them up."""
+        for identity, previous in generation.records.items():
+            if previous.status == ProcessStatus.EXITED:
+                continue
+            snapshot = outside.get(identity)
+            if snapshot is None:
+                generation.records[identity] = replace(previous, status=ProcessStatus.EXITED)
+            else:
+                generation.records[identity] = replace(
+                    previous, status=snapshot.status, ppid=snapshot.ppid, orphaned=True
+                )
+
+    def _observation(self, info: ProcessInfo, now: float) -> Observation:
+        return Observation(
+            ObservationKind.PROCESS,
+            now,
+            stage=info.stage,
+            outcome=info.status.value,
+            process=info,
+            pid=info.pid,
+        )
+
+    def _forget_learned(self, pid: int) -> None:
+        # A learned pid belongs to the process that exited; a later one with it is another.
+        self._learned.pop(pid, None)
+
+    # --- roles and stages ------------------------------------------------------------
+
+    def _classify(self, generation: _Generation, tree: list[_Snapshot]) -> list[ProcessInfo]:
+        """ProcessInfo with role and stage for every process of the tree, root first."""
+        if not tree:
+            return []
+        # A zombie's command line is gone; its title from life still says what it was.
+        tree = [
+            replace(snapshot, title=generation.records[snapshot.identity].title)
+            if snapshot.status == ProcessStatus.ZOMBIE and snapshot.identity in generation.records
+            else snapshot
+            for snapshot in tree
+        ]
+        root = tree[0]
+        by_pid = {snapshot.pid: snapshot for snapshot in tree}
+        spawn_stages = self._spawn_order_stages(generation, tree)
+        assigned: dict[int, tuple[ProcessRole, StageRef | None]] = {}
+
+        def role_of(snapshot: _Snapshot) -> tuple[ProcessRole, StageRef | None]:
+            if snapshot.pid in assigned:
+                return assigned[snapshot.pid]
+            parent = by_pid.get(snapshot.ppid) if snapshot.pid != root.pid else None
+            parent_role, parent_stage = role_of(parent) if parent else (None, None)
+            role, stage = self._title_role(snapshot, root, parent_role, parent_stage)
+            if snapshot.identity in spawn_stages and role == ProcessRole.HELPER:
+                role, stage = ProcessRole.STAGE, spawn_stages[snapshot.identity]
+            learned = self._learned.get(snapshot.pid)
+            if learned is not None:
+                stage = learned[0]
+                if learned[1] is not None and snapshot.pid != root.pid:
+                    role = learned[1]
+            assigned[snapshot.pid] = (role, stage)
+            return role, stage
+
+        infos = []
+        for snapshot in tree:
+            role, stage = role_of(snapshot)
+            infos.append(
+                ProcessInfo(
+                    pid=snapshot.pid,
+                    create_time=snapshot.create_time,
+                    ppid=snapshot.ppid,
+                    pgid=snapshot.pgid,
+                    sid=snapshot.sid,
+                    title=snapshot.title,
+                    status=snapshot.status,
+                    cpu_seconds=snapshot.cpu_seconds,
+                    role=role,
+                    stage=stage,
+                )
+            )
+        return infos
+
+    def _title_role(
+        self,
+        snapshot: _Snapshot,
+        root: _Snapshot,
+        parent_role: ProcessRole | None,
+        parent_stage: StageRef | None,
+    ) -> tuple[ProcessRole, StageRef | None]:
+        if snapshot.pid == root.pid:
+            return ProcessRole.API, None
+        match = STAGE_ENGINE_TITLE.search(snapshot.title)
+        if match:
+            return ProcessRole.ENGINE, StageRef(int(match.group(1)), int(match.group(2)))
+        match = ENGINE_CORE_TITLE.search(snapshot.title)
+        if match:
+            if parent_role in (ProcessRole.STAGE, ProcessRole.ENGINE) and parent_stage:
+                return ProcessRole.ENGINE, parent_stage
+            return ProcessRole.ENGINE, StageRef(0, int(match.group(1) or 0))
+        if WORKER_TITLE.search(snapshot.title):
+            return ProcessRole.WORKER, parent_stage
+        return ProcessRole.HELPER, None
+
+    def _spawn_order_stages(
+        self, generation: _Generation, tree: list[_Snapshot]
+    ) -> dict[ProcessIdentity, StageRef]:
+        """vLLM-Omni 0.11 stage workers: the root's untitled spawn children, oldest first.
+
+        Exited ones keep their rank, so a stage worker that dies does not shift the others.
+        """
+        root_pid = tree[0].pid
+        children: dict[ProcessIdentity, tuple[float, str]] = {
+            identity: (info.create_time, info.title)
+            for identity, info in generation.records.items()
+            if info.ppid == root_pid and info.pid != root_pid
+        }
+        for snapshot in tree[1:]:
+            if snapshot.ppid == root_pid:
+                children[snapshot.identity] = (snapshot.create_time, snapshot.title)
+        spawned = sorted(
+            (create_time, identity)
+            for identity, (create_time, title) in children.items()
+            if _is_untitled_spawn(title)
+        )
+        refs = self._topology.refs()
+        return {identity: ref for (_, identity), ref in zip(spawned, refs, strict=False)}
+
+    # --- reading the process table (in a thread) --------------------------------------
+
+    def _find_root(self) -> ProcessIdentity | None:
+        if self._pid is not None:
+            if self._pid in (self._own_pid, 1):
+                raise ProbeError(f"pid {self._pid} is the watchdog or init, not a server")
+            snapshot = self._read_pid(self._pid)
+            return snapshot.identity if snapshot else None
+        # The system-wide socket table names one holder per socket, and forked children
+        # (even short-lived ones) share the server's: the root is the oldest ancestor that
+        # holds a listening socket on the port too.
+        roots = set()
+        for pid in self._listener_pids():
+            try:
+                top = self._psutil.Process(pid)
+                for parent in top.parents():
+                    if parent.pid not in (1, self._own_pid) and self._listens(parent):
+                        top = parent
+                roots.add((top.create_time(), top.pid))
+            except self._psutil.NoSuchProcess:
+                continue
+        if not roots:
+            return None
+        created, pid = min(roots)
+        return ProcessIdentity(pid, created)
+
+    def _listener_pids(self) -> set[int]:
+        """Pids the socket table shows listening on the target port, less watchdog and init."""
+        try:
+            connections = self._psutil.net_connections(kind="tcp")
+        except self._psutil.AccessDenied as error:
+            raise ProbeError(
+                f"not allowed to list sockets to find port {self._port}; give --pid ({error})"
+            ) from None
+        return {
+            connection.pid
+            for connection in connections
+            if self._is_target_listener(connection)
+            and connection.pid not in (None, self._own_pid, 1)
+        }
+
+    def _listens(self, process: Any) -> bool:
+        try:
+            connections = process.net_connections(kind="tcp")
+        except self._psutil.Error:
+            return False
+        return any(self._is_target_listener(connection) for connection in connections)
+
+    def _is_target_listener(self, connection: Any) -> bool:
+        return bool(
+            connection.status == self._psutil.CONN_LISTEN
+            and connection.laddr
+            and connection.laddr.port == self._port
+        )
+
+    def _read_tree(self, root: ProcessIdentity) -> list[_Snapshot] | None:
+        """The root (if it is still the same process) and all its descendants."""
+        try:
+            process = self._psutil.Process(root.pid)
+            if process.create_time() != root.create_time:
+                return None
+            root_snapshot = self._read(process)
+            children = process.children(recursive=True)
+        except self._psutil.NoSuchProcess:
+            return None
+        tree = [root_snapshot]
+        for child in children:
+            if child.pid == self._own_pid:
+                continue
+            try:
+                tree.append(self._read(child))
+            except self._psutil.NoSuchProcess:
+                continue
+        return tree
+
+    def _read_identity(self, identity: ProcessIdentity) -> _Snapshot | None:
+        """The process if it still lives with the same start time, else None: it is gone."""
+        snapshot = self._read_pid(identity.pid)
+        if snapshot is None or snapshot.create_time != identity.create_time:
+            return None
+        return snapshot
+
+    def _read_pid(self, pid: int) -> _Snapshot | None:
+        try:
+            return self._read(self._psutil.Process(pid))
+        except self._psutil.NoSuchProcess:
+            return None
+
+    def _read(self, process: Any) -> _Snapshot:
+        """One process's facts; a zombie still has a pid, a start time and a status."""
+        psutil = self._psutil
+        with process.oneshot():
+            create_time = process.create_time()
+            status = STATUS_OF_PSUTIL.get(process.status(), ProcessStatus.SLEEPING)
+            ppid = process.ppid()
+            try:
+                title = " ".join(part for part in process.cmdline() if part).strip()
+                title = title or process.name()
+            except (psutil.ZombieProcess, psutil.AccessDenied):
+                title = ""
+            try:
+                times = process.cpu_times()
+                cpu_seconds = times.user + times.system
+            except (psutil.ZombieProcess, psutil.AccessDenied):
+                cpu_seconds = 0.0
+        try:
+            pgid, sid = self._process_groups(process.pid)
+        except OSError:
+            pgid, sid = -1, -1
+        return _Snapshot(
+            pid=process.pid,
+            create_time=create_time,
+            ppid=ppid,
+            pgid=pgid,
+            sid=sid,
+            title=title,
+            status=status,
+            cpu_seconds=cpu_seconds,
+        )
+
+    def _not_found_reason(self) -> str:
+        if self._pid is not None:
+            return f"no process with pid {self._pid}"
+        return f"no process listens on port {self._port}"
+
+
+def _is_untitled_spawn(title: str) -> bool:
+    return any(marker in title for marker in SPAWN_MARKERS) and RESOURCE_TRACKER_MARKER not in title

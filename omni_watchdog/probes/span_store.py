@@ -1,0 +1,257 @@
+"""The last spans of every stage, kept in ring buffers for the detector and incident bundles.
+
+Spans are stored as the decoded OTLP messages they arrived in and become `SpanRecord`s
+only when read: ingestion is the hot path, reading happens once per incident.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Union
+
+from omni_watchdog.types import StageRef
+
+AttributeValue = Union[str, int, float, bool, list[Any]]  # noqa: UP007 (an alias, 3.10)
+
+STAGE_ID = "omni.stage.id"
+STAGE_REPLICA = "omni.stage.replica"
+STAGE_NAME = "omni.stage.name"
+PROCESS_KIND = "omni.process.kind"
+PROCESS_PID = "process.pid"
+REQUEST_ID = "omni.request.id"
+STAGE_PATH = "omni.request.stage_path"
+SERVICE_NAME = "service.name"
+VLLM_PROCESS_ID = "vllm.process_id"
+VLLM_PROCESS_KIND = "vllm.process_kind"
+GEN_AI_REQUEST_ID = "gen_ai.request.id"
+GEN_AI_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
+GEN_AI_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
+GEN_AI_E2E = "gen_ai.latency.e2e"
+GEN_AI_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
+GEN_AI_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
+
+STATUS_NAMES = ("unset", "ok", "error")
+STATUS_CODE_ERROR = 2
+
+
+def attribute_value(value: Any) -> AttributeValue | None:
+    """The Python value of an OTLP `AnyValue`; bytes become hex, maps become flat keys later."""
+    which = value.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return [attribute_value(item) for item in value.array_value.values]
+    if which == "bytes_value":
+        return bytes(value.bytes_value).hex()
+    if which == "kvlist_value":
+        return {kv.key: attribute_value(kv.value) for kv in value.kvlist_value.values}  # type: ignore[return-value]
+    result: AttributeValue = getattr(value, which)
+    return result
+
+
+def flat_attributes(key_values: Iterable[Any]) -> dict[str, AttributeValue]:
+    """OTLP `KeyValue`s as one flat dict; nested maps become dotted keys."""
+    flat: dict[str, AttributeValue] = {}
+    for kv in key_values:
+        _put_flat(flat, kv.key, attribute_value(kv.value))
+    return flat
+
+
+def _put_flat(flat: dict[str, AttributeValue], key: str, value: Any) -> None:
+    if isinstance(value, dict):
+        for sub_key, sub_value in value.items():
+            _put_flat(flat, f"{key}.{sub_key}", sub_value)
+    elif value is not None:
+        flat[key] = value
+
+
+def as_int(value: object) -> int | None:
+    """An attribute as an int: OTLP JSON and some SDKs send numbers as strings."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def as_float(value: object) -> float | None:
+    """An attribute as a float, or None when it is not a number."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def stage_of(attributes: Mapping[str, object]) -> StageRef | None:
+    """The stage named by `omni.stage.id` and `omni.stage.replica` (default 0), if any."""
+    stage_id = as_int(attributes.get(STAGE_ID))
+    if stage_id is None:
+        return None
+    replica = as_int(attributes.get(STAGE_REPLICA))
+    return StageRef(stage_id, replica or 0)
+
+
+@dataclass(frozen=True)
+class ResourceInfo:
+    """What the resource of a batch says about the process that sent it."""
+
+    attributes: Mapping[str, AttributeValue]
+    stage: StageRef | None
+    stage_name: str
+    pid: int | None
+    process_kind: str
+    service_name: str
+
+    @classmethod
+    def from_attributes(
+        cls, attributes: dict[str, AttributeValue], stage: StageRef | None
+    ) -> ResourceInfo:
+        """The resource whose attributes are `attributes` and that names `stage`."""
+        pid = as_int(attributes.get(PROCESS_PID))
+        if pid is None:
+            pid = as_int(attributes.get(VLLM_PROCESS_ID))
+        kind = attributes.get(PROCESS_KIND, attributes.get(VLLM_PROCESS_KIND, ""))
+        return cls(
+            attributes=attributes,
+            stage=stage,
+            stage_name=str(attributes.get(STAGE_NAME, "")),
+            pid=pid,
+            process_kind=str(kind),
+            service_name=str(attributes.get(SERVICE_NAME, "")),
+        )
+
+
+EMPTY_RESOURCE = ResourceInfo({}, None, "", None, "", "")
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    """One received span, with its stage identity and vLLM's `gen_ai` figures mapped out."""
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    name: str
+    kind: int
+    start_unix_nano: int
+    end_unix_nano: int
+    status: str
+    status_message: str
+    stage: StageRef | None
+    stage_name: str
+    pid: int | None
+    process_kind: str
+    service_name: str
+    request_id: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    latency_e2e: float | None
+    time_to_first_token: float | None
+    time_in_queue: float | None
+    attributes: Mapping[str, AttributeValue]
+
+    @property
+    def duration(self) -> float:
+        """Seconds from start to end."""
+        return max(0, self.end_unix_nano - self.start_unix_nano) / 1e9
+
+    def to_jsonable(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stage"] = str(self.stage) if self.stage is not None else None
+        data["attributes"] = dict(self.attributes)
+        return data
+
+    @classmethod
+    def from_span(cls, span: Any, resource: ResourceInfo, stage: StageRef | None) -> SpanRecord:
+        """A record from an OTLP `Span`, its batch's resource and the stage it was filed under."""
+        attributes = flat_attributes(span.attributes)
+
+        pid = as_int(attributes.get(PROCESS_PID))
+        code = span.status.code
+        return cls(
+            trace_id=bytes(span.trace_id).hex(),
+            span_id=bytes(span.span_id).hex(),
+            parent_span_id=bytes(span.parent_span_id).hex(),
+            name=span.name,
+            kind=span.kind,
+            start_unix_nano=span.start_time_unix_nano,
+            end_unix_nano=span.end_time_unix_nano,
+            status=STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else "unset",
+            status_message=span.status.message,
+            stage=stage,
+            stage_name=str(attributes.get(STAGE_NAME, resource.stage_name)),
+            pid=resource.pid if pid is None else pid,
+            process_kind=str(attributes.get(PROCESS_KIND, resource.process_kind)),
+            service_name=resource.service_name,
+            request_id=str(attributes.get(REQUEST_ID, attributes.get(GEN_AI_REQUEST_ID, ""))),
+            prompt_tokens=as_int(attributes.get(GEN_AI_PROMPT_TOKENS)),
+            completion_tokens=as_int(attributes.get(GEN_AI_COMPLETION_TOKENS)),
+            latency_e2e=as_float(attributes.get(GEN_AI_E2E)),
+            time_to_first_token=as_float(attributes.get(GEN_AI_TIME_TO_FIRST_TOKEN)),
+            time_in_queue=as_float(attributes.get(GEN_AI_TIME_IN_QUEUE)),
+            attributes=attributes,
+        )
+
+
+class SpanStore:
+    """Per stage (and one bucket for spans without a stage), the last `ring_size` spans."""
+
+    def __init__(self, ring_size: int) -> None:
+        if ring_size < 1:
+            raise ValueError(f"ring_size must be at least 1, got {ring_size}")
+        self.ring_size = ring_size
+        # Each entry is (span message, its resource, the stage it was filed under).
+        self._rings: dict[StageRef | None, deque[tuple[Any, ResourceInfo, StageRef | None]]] = {}
+        self._pids: dict[int, tuple[StageRef, str]] = {}
+
+    def ring(self, stage: StageRef | None) -> deque[tuple[Any, ResourceInfo, StageRef | None]]:
+        """The ring buffer of `stage`, created on first use; append (span, resource, stage)."""
+        ring = self._rings.get(stage)
+        if ring is None:
+            ring = self._rings[stage] = deque(maxlen=self.ring_size)
+        return ring
+
+    def learn_pid(self, pid: int, stage: StageRef, process_kind: str) -> None:
+        """Remember that `pid` serves `stage`, as a batch's resource attributes said."""
+        self._pids[pid] = (stage, process_kind)
+
+    def recent(self, stage: StageRef | None) -> list[SpanRecord]:
+        """The spans kept for `stage` (None: spans without a stage), oldest first."""
+        ring = self._rings.get(stage)
+        if ring is None:
+            return []
+        return [SpanRecord.from_span(span, resource, filed) for span, resource, filed in ring]
+
+    def stages(self) -> list[StageRef]:
+        """Stages that have spans kept, in order."""
+        return sorted(stage for stage in self._rings if stage is not None)
+
+    def pid_stages(self) -> dict[int, tuple[StageRef, str]]:
+        """process.pid -> (stage, process kind) learned from resource attributes."""
+        return dict(self._pids)
+
+    def to_jsonable(self) -> dict[str, Any]:
+        """Everything kept, as plain JSON types, for an incident bundle."""
+        buckets: list[StageRef | None] = [*self.stages()]
+        if None in self._rings:
+            buckets.append(None)
+        return {
+            "ring_size": self.ring_size,
+            "stages": {
+                str(stage) if stage is not None else "none": [
+                    record.to_jsonable() for record in self.recent(stage)
+                ]
+                for stage in buckets
+            },
+            "pids": {
+                str(pid): {"stage": str(stage), "process_kind": kind}
+                for pid, (stage, kind) in sorted(self._pids.items())
+            },
+        }

@@ -1,0 +1,604 @@
+"""The spans probe: an OTLP/HTTP traces receiver that turns spans into observations.
+
+It speaks the OTLP/HTTP protocol as a collector does (`POST /v1/traces`, protobuf or JSON,
+gzip), maps the instrument plugin's `omni.*` spans and vLLM's `llm_request` spans to
+observations, keeps the last spans of every stage in a `SpanStore`, and can hand every
+accepted body to a `SpanForwarder` for an upstream collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import zlib
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2  # type: ignore[import-untyped]
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from omni_watchdog.config import SpansConfig
+from omni_watchdog.probes.span_store import (
+    EMPTY_RESOURCE,
+    GEN_AI_REQUEST_ID,
+    REQUEST_ID,
+    STAGE_ID,
+    STAGE_PATH,
+    STAGE_REPLICA,
+    STATUS_CODE_ERROR,
+    ResourceInfo,
+    SpanStore,
+    as_int,
+    attribute_value,
+    flat_attributes,
+    stage_of,
+)
+from omni_watchdog.types import Clock, Observation, ObservationKind, StageRef
+
+log = logging.getLogger(__name__)
+
+TRACES_PATH = "/v1/traces"
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+
+HEARTBEAT_SPAN = "omni.stage.loop"
+ADMITTED_SPAN = "omni.request.admitted"
+STAGE_REQUEST_SPAN = "omni.stage.request"
+VLLM_REQUEST_SPAN = "llm_request"
+_STAGE_SPAN_NAMES = frozenset({STAGE_REQUEST_SPAN, VLLM_REQUEST_SPAN})
+
+# Plain vLLM sets no stage attributes: it is one stage.
+VLLM_DEFAULT_STAGE = StageRef(0, 0)
+
+REJECTION_REASONS = (
+    "malformed_id",
+    "decode_error",
+    "too_large",
+    "unsupported_media_type",
+    "queue_full",
+)
+RESPONSE_STATUSES = (200, 400, 404, 405, 413, 415, 503)
+RETRY_AFTER_SECONDS = 1
+
+# google.rpc.Code values for the Status body of a failed export.
+_GRPC_INVALID_ARGUMENT = 3
+_GRPC_RESOURCE_EXHAUSTED = 8
+_GRPC_UNAVAILABLE = 14
+
+_ZERO_TRACE_ID = bytes(16)
+_ZERO_SPAN_ID = bytes(8)
+_READ_CHUNK = 64 * 1024
+_INFLATE_CHUNK = 256 * 1024
+_GZIP_WBITS = 16 + zlib.MAX_WBITS
+
+# The only span attributes read on ingestion; the rest are read when a record is built.
+_WANTED_KEYS = frozenset({STAGE_ID, STAGE_REPLICA, REQUEST_ID, STAGE_PATH, GEN_AI_REQUEST_ID})
+_WANTED_KEY_BYTES = tuple((key, key.encode()) for key in sorted(_WANTED_KEYS))
+_NOTHING: dict[str, Any] = {}
+# Distinct stage attribute values remembered; senders use a handful, a hostile one more.
+_STAGE_CACHE_SIZE = 4096
+
+
+class OtlpError(Exception):
+    """An export request refused as a whole, with its HTTP status and rejection reason."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What one export request gave: spans accepted and rejected, and why some were."""
+
+    accepted: int
+    rejected: int
+    error_message: str = ""
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    """Counters for the exporters; `spans_rejected` counts spans for `malformed_id` and
+    request bodies for the other reasons, whose spans were never decoded."""
+
+    spans_accepted: int
+    spans_rejected: Mapping[str, int]
+    requests: Mapping[int, int]
+    forwarded: int
+    forward_dropped: int
+    queue_depth: int
+
+
+class SpanForwarder:
+    """Posts every accepted body to an upstream OTLP/HTTP endpoint from a background task.
+
+    `submit` never waits: when the queue is full the body is dropped and counted, and a
+    failing or slow upstream only fills the queue.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        endpoint: str,
+        queue_size: int = 1000,
+        timeout: float = 5.0,
+    ) -> None:
+        self._session = session
+        self.endpoint = endpoint
+        self._queue: asyncio.Queue[tuple[bytes, str, str]] = asyncio.Queue(maxsize=queue_size)
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._task: asyncio.Task[None] | None = None
+        self.forwarded = 0
+        self.dropped = 0
+
+    def start(self) -> None:
+        """Start the background task; call from the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def submit(self, body: bytes, content_type: str, content_encoding: str) -> None:
+        """Queue one body as received, or drop and count it when the queue is full."""
+        try:
+            self._queue.put_nowait((body, content_type, content_encoding))
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    async def close(self) -> None:
+        """Stop the background task; bodies still queued are dropped and counted."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self.dropped += self._queue.qsize()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    async def _run(self) -> None:
+        while True:
+            body, content_type, content_encoding = await self._queue.get()
+            headers = {"Content-Type": content_type}
+            if content_encoding:
+                headers["Content-Encoding"] = content_encoding
+            try:
+                async with self._session.post(
+                    self.endpoint, data=body, headers=headers, timeout=self._timeout
+                ) as response:
+                    await response.read()
+                    ok = 200 <= response.status < 300
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                log.debug("forwarding to %s failed: %s", self.endpoint, error)
+                ok = False
+            if ok:
+                self.forwarded += 1
+            else:
+                self.dropped += 1
+
+
+def gunzip(data: bytes, limit: int) -> bytes:
+    """Inflate a gzip body, refusing (413) as soon as the output would pass `limit` bytes."""
+    if not data:
+        raise OtlpError(400, "decode_error", "bad gzip body: empty")
+    parts: list[bytes] = []
+    size = 0
+    pending = data
+    while pending:
+        inflater = zlib.decompressobj(_GZIP_WBITS)
+        while not inflater.eof:
+            try:
+                chunk = inflater.decompress(pending, min(_INFLATE_CHUNK, limit - size + 1))
+            except zlib.error as error:
+                raise OtlpError(400, "decode_error", f"bad gzip body: {error}") from None
+            size += len(chunk)
+            if size > limit:
+                raise OtlpError(413, "too_large", f"body is over {limit} bytes once decompressed")
+            parts.append(chunk)
+            pending = inflater.unconsumed_tail
+            if not pending and not chunk:
+                raise OtlpError(400, "decode_error", "bad gzip body: truncated stream")
+        # Concatenated gzip members are one body.
+        pending = inflater.unused_data
+    return b"".join(parts)
+
+
+def _hex_id_as_base64(value: object) -> str:
+    """An OTLP JSON id (hex) in the base64 form protobuf's JSON parser wants; "" if malformed."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        return base64.b64encode(bytes.fromhex(value)).decode("ascii")
+    except ValueError:
+        return ""
+
+
+def _fix_ids(message: object, keys: tuple[str, ...]) -> None:
+    if isinstance(message, dict):
+        for key in keys:
+            if key in message:
+                message[key] = _hex_id_as_base64(message[key])
+
+
+def _children(message: object, key: str) -> list[Any]:
+    children = message.get(key) if isinstance(message, dict) else None
+    return children if isinstance(children, list) else []
+
+
+def decode_json(body: bytes) -> ExportTraceServiceRequest:
+    """An OTLP JSON body (hex ids, lowerCamelCase names) as the protobuf request."""
+    document = json.loads(body)
+    if not isinstance(document, dict):
+        raise ValueError("the body is not a JSON object")
+    for resource_spans in _children(document, "resourceSpans"):
+        for scope_spans in _children(resource_spans, "scopeSpans"):
+            for span in _children(scope_spans, "spans"):
+                _fix_ids(span, ("traceId", "spanId", "parentSpanId"))
+                for link in _children(span, "links"):
+                    _fix_ids(link, ("traceId", "spanId"))
+    request = ExportTraceServiceRequest()
+    json_format.ParseDict(document, request, ignore_unknown_fields=True)
+    return request
+
+
+def decode_body(body: bytes, media_type: str) -> ExportTraceServiceRequest:
+    """The export request in `body`, or OtlpError(400) when it cannot be decoded."""
+    try:
+        if media_type == PROTOBUF:
+            return ExportTraceServiceRequest.FromString(body)
+        return decode_json(body)
+    except (DecodeError, json_format.ParseError, ValueError, RecursionError) as error:
+        kind = "protobuf" if media_type == PROTOBUF else "JSON"
+        raise OtlpError(400, "decode_error", f"undecodable {kind} body: {error}") from None
+
+
+def _stage_path(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        return ()
+    path = tuple(stage for stage in (as_int(item) for item in value) if stage is not None)
+    return path if len(path) == len(value) else ()
+
+
+def _stage_span(span: Any, stage: StageRef, found: Mapping[str, Any], now: float) -> Observation:
+    """The STAGE_SPAN observation of an `omni.stage.request` or `llm_request` span."""
+    failed = span.status.code == STATUS_CODE_ERROR
+    return Observation(
+        ObservationKind.STAGE_SPAN,
+        now,
+        stage=stage,
+        value=max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
+        outcome="error" if failed else "ok",
+        detail=_error_detail(span) if failed else "",
+        request_id=str(found.get(REQUEST_ID, found.get(GEN_AI_REQUEST_ID, ""))),
+    )
+
+
+def _error_detail(span: Any) -> str:
+    """The status message, else the message of the span's exception event."""
+    if span.status.message:
+        return str(span.status.message)
+    for event in span.events:
+        if event.name == "exception":
+            for kv in event.attributes:
+                if kv.key == "exception.message":
+                    return str(attribute_value(kv.value))
+    return ""
+
+
+class SpanReceiver:
+    """OTLP/HTTP `/v1/traces`: decodes, maps to observations, stores, optionally forwards."""
+
+    name = "spans"
+
+    def __init__(
+        self,
+        config: SpansConfig,
+        clock: Clock,
+        store: SpanStore,
+        forwarder: SpanForwarder | None = None,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self.store = store
+        self._forwarder = forwarder
+        self._batches: deque[list[Observation]] = deque()
+        self._accepted = 0
+        self._rejected = dict.fromkeys(REJECTION_REASONS, 0)
+        self._requests = dict.fromkeys(RESPONSE_STATUSES, 0)
+        self._stage_refs: dict[tuple[object, object], StageRef | None] = {}
+        self._runner: web.AppRunner | None = None
+        self.bound_port: int | None = None
+        self._empty_response = {
+            PROTOBUF: ExportTraceServiceResponse().SerializeToString(),
+            JSON: b"{}",
+        }
+
+    @property
+    def stats(self) -> ReceiverStats:
+        """A snapshot of the counters, every key present from the start."""
+        forwarder = self._forwarder
+        return ReceiverStats(
+            spans_accepted=self._accepted,
+            spans_rejected=dict(self._rejected),
+            requests=dict(self._requests),
+            forwarded=forwarder.forwarded if forwarder else 0,
+            forward_dropped=forwarder.dropped if forwarder else 0,
+            queue_depth=len(self._batches),
+        )
+
+    async def collect(self) -> list[Observation]:
+        """The observations decoded since the last call, oldest first."""
+        observations: list[Observation] = []
+        batches = self._batches
+        while batches:
+            observations.extend(batches.popleft())
+        return observations
+
+    def app(self) -> web.Application:
+        """The aiohttp application serving `POST /v1/traces`.
+
+        Run it with `auto_decompress=False`, as `serve` does: the handler inflates gzip
+        itself, so that the size cap holds while inflating.
+        """
+        app = web.Application(
+            middlewares=[self._count_status], client_max_size=self._config.max_body_bytes
+        )
+        app.router.add_post(TRACES_PATH, self._handle_traces)
+        if self._forwarder is not None:
+            forwarder = self._forwarder
+
+            async def start_forwarder(_: web.Application) -> None:
+                forwarder.start()
+
+            async def stop_forwarder(_: web.Application) -> None:
+                await forwarder.close()
+
+            app.on_startup.append(start_forwarder)
+            app.on_cleanup.append(stop_forwarder)
+        return app
+
+    async def serve(self, host: str, port: int) -> None:
+        """Listen on host:port (0 picks a free port, then read `bound_port`)."""
+        self._runner = web.AppRunner(self.app(), auto_decompress=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        self.bound_port = int(self._runner.addresses[0][1])
+
+    async def close(self) -> None:
+        """Stop listening and stop the forwarder."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def check_acceptable(self, media_type: str, content_encoding: str) -> None:
+        """Refuse what will not be decoded before reading a byte of the body."""
+        if media_type not in (PROTOBUF, JSON):
+            raise OtlpError(
+                415,
+                "unsupported_media_type",
+                f"unsupported content type {media_type!r}: use {PROTOBUF} or {JSON}",
+            )
+        if content_encoding not in ("", "identity", "gzip"):
+            raise OtlpError(
+                415,
+                "unsupported_media_type",
+                f"unsupported content encoding {content_encoding!r}: use gzip or none",
+            )
+        if len(self._batches) >= self._config.queue_size:
+            raise OtlpError(503, "queue_full", "the receiver's queue is full, retry later")
+
+    def ingest(self, body: bytes, media_type: str, content_encoding: str = "") -> IngestResult:
+        """Decode, map and store one export request body, exactly as the HTTP handler does."""
+        self.check_acceptable(media_type, content_encoding)
+        raw = body
+        if content_encoding == "gzip":
+            body = gunzip(body, self._config.max_body_bytes)
+        elif len(body) > self._config.max_body_bytes:
+            raise OtlpError(413, "too_large", f"body is over {self._config.max_body_bytes} bytes")
+        request = decode_body(body, media_type)
+        if media_type == PROTOBUF:
+            # Protobuf keeps keys as raw UTF-8, so a key absent from the body is on no span;
+            # JSON may escape characters, so there every key is looked for.
+            wanted = frozenset(key for key, raw_key in _WANTED_KEY_BYTES if raw_key in body)
+        else:
+            wanted = _WANTED_KEYS
+        observations: list[Observation] = []
+        accepted, rejected = self._map(request, wanted, observations)
+        if observations:
+            self._batches.append(observations)
+        self._accepted += accepted
+        self._rejected["malformed_id"] += rejected
+        if self._forwarder is not None and accepted:
+            self._forwarder.submit(raw, media_type, content_encoding)
+        if not rejected:
+            return IngestResult(accepted, 0)
+        return IngestResult(
+            accepted,
+            rejected,
+            f"{rejected} span(s) rejected: a trace id must be 16 bytes and a span id 8 bytes, "
+            "not all zero",
+        )
+
+    def _map(
+        self, request: Any, wanted: frozenset[str], observations: list[Observation]
+    ) -> tuple[int, int]:
+        """File every valid span in the store and append its observations; (accepted, rejected).
+
+        Of span attributes only the `wanted` keys are read here; records read the rest later.
+        """
+        now = self._clock.monotonic()
+        wanted_count = len(wanted)
+        single_key = wanted_count == 1
+        hint = 0
+        store = self.store
+        stage_ref = self._stage_ref
+        accepted = rejected = 0
+        beating: set[StageRef] = set()
+        for resource_spans in request.resource_spans:
+            resource = self._resource(resource_spans)
+            resource_stage = resource.stage
+            resource_id = resource.attributes.get(STAGE_ID)
+            ring_stage = resource_stage
+            ring = store.ring(ring_stage)
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    trace_id = span.trace_id
+                    span_id = span.span_id
+                    if (
+                        len(trace_id) != 16
+                        or len(span_id) != 8
+                        or trace_id == _ZERO_TRACE_ID
+                        or span_id == _ZERO_SPAN_ID
+                    ):
+                        rejected += 1
+                        continue
+                    accepted += 1
+                    key_values = span.attributes
+                    found = _NOTHING
+                    if wanted and key_values:
+                        found = {}
+                        if single_key and len(key_values) > hint:
+                            # Senders set attributes in one order: look where it was last.
+                            kv = key_values[hint]
+                            if kv.key in wanted:
+                                found[kv.key] = attribute_value(kv.value)
+                        if not found:
+                            for index, kv in enumerate(key_values):
+                                key = kv.key
+                                if key in wanted:
+                                    found[key] = attribute_value(kv.value)
+                                    if len(found) == wanted_count:
+                                        hint = index
+                                        break
+                    # The span's own stage attributes win over its resource's; a replica
+                    # belongs to the stage id it came with.
+                    if STAGE_ID in found:
+                        stage = stage_ref(found[STAGE_ID], found.get(STAGE_REPLICA))
+                    elif STAGE_REPLICA in found:
+                        stage = stage_ref(resource_id, found[STAGE_REPLICA])
+                    else:
+                        stage = resource_stage
+                    name = span.name
+                    if stage is None and name == VLLM_REQUEST_SPAN:
+                        stage = VLLM_DEFAULT_STAGE
+                    if stage is not ring_stage:
+                        ring_stage = stage
+                        ring = store.ring(stage)
+                    ring.append((span, resource, stage))
+                    if name == HEARTBEAT_SPAN:
+                        # Heartbeats of one stage in one body say the same thing at `now`.
+                        if stage is not None and stage not in beating:
+                            beating.add(stage)
+                            observations.append(
+                                Observation(ObservationKind.HEARTBEAT, now, stage=stage)
+                            )
+                    elif name in _STAGE_SPAN_NAMES:
+                        if stage is not None:
+                            observations.append(_stage_span(span, stage, found, now))
+                    elif name == ADMITTED_SPAN:
+                        observations.append(
+                            Observation(
+                                ObservationKind.REQUEST_ADMITTED,
+                                now,
+                                stage=stage,
+                                request_id=str(found.get(REQUEST_ID, "")),
+                                path=_stage_path(found.get(STAGE_PATH)),
+                            )
+                        )
+        return accepted, rejected
+
+    def _stage_ref(self, stage_id: object, replica: object) -> StageRef | None:
+        """The stage these attribute values name, one shared object per stage."""
+        key = (stage_id, replica)
+        try:
+            return self._stage_refs[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable value (a list) names no stage anyway
+            return stage_of({STAGE_ID: stage_id, STAGE_REPLICA: replica})
+        stage = stage_of({STAGE_ID: stage_id, STAGE_REPLICA: replica})
+        if len(self._stage_refs) >= _STAGE_CACHE_SIZE:
+            self._stage_refs.clear()
+        self._stage_refs[key] = stage
+        return stage
+
+    def _resource(self, resource_spans: Any) -> ResourceInfo:
+        if not resource_spans.HasField("resource"):
+            return EMPTY_RESOURCE
+        attributes = flat_attributes(resource_spans.resource.attributes)
+        stage = self._stage_ref(attributes.get(STAGE_ID), attributes.get(STAGE_REPLICA))
+        resource = ResourceInfo.from_attributes(attributes, stage)
+        if resource.pid is not None and stage is not None:
+            self.store.learn_pid(resource.pid, stage, resource.process_kind)
+        return resource
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body, refused (413) as soon as it passes the configured cap."""
+        limit = self._config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise OtlpError(413, "too_large", f"body is over {limit} bytes")
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.content.iter_chunked(_READ_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise OtlpError(413, "too_large", f"body is over {limit} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def _handle_traces(self, request: web.Request) -> web.Response:
+        media_type = request.content_type
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        try:
+            self.check_acceptable(media_type, encoding)
+            result = self.ingest(await self._read_body(request), media_type, encoding)
+        except OtlpError as error:
+            self._rejected[error.reason] += 1
+            return self._error_response(error, media_type)
+        if not result.rejected:
+            return web.Response(body=self._empty_response[media_type], content_type=media_type)
+        response = ExportTraceServiceResponse()
+        response.partial_success.rejected_spans = result.rejected
+        response.partial_success.error_message = result.error_message
+        return self._message_response(200, response, media_type)
+
+    def _error_response(self, error: OtlpError, media_type: str) -> web.Response:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else None
+        if media_type not in (PROTOBUF, JSON):
+            return web.Response(status=error.status, text=error.message, headers=headers)
+        code = {413: _GRPC_RESOURCE_EXHAUSTED, 503: _GRPC_UNAVAILABLE}.get(
+            error.status, _GRPC_INVALID_ARGUMENT
+        )
+        status = status_pb2.Status(code=code, message=error.message)
+        return self._message_response(error.status, status, media_type, headers)
+
+    @staticmethod
+    def _message_response(
+        status: int, message: Any, media_type: str, headers: Mapping[str, str] | None = None
+    ) -> web.Response:
+        if media_type == PROTOBUF:
+            body = message.SerializeToString()
+        else:
+            body = json_format.MessageToJson(message, indent=None).encode()
+        return web.Response(status=status, body=body, content_type=media_type, headers=headers)
+
+    @web.middleware
+    async def _count_status(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except web.HTTPException as error:
+            self._requests[error.status] = self._requests.get(error.status, 0) + 1
+            raise
+        self._requests[response.status] = self._requests.get(response.status, 0) + 1
+        return response

@@ -1,0 +1,398 @@
+"""Hooks against small fake modules shaped like vLLM 0.32 and vLLM-Omni 0.11 / 0.30."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from omni_watchdog.instrument import hooks, plugin
+from omni_watchdog.instrument.hooks import HookContext, ProcessIdentity
+
+
+class FakeTelemetry:
+    """Records what a hook emits instead of exporting it."""
+
+    def __init__(self, identity: ProcessIdentity, interval: float = 0.02) -> None:
+        self.identity = identity
+        self.heartbeat_interval = interval
+        self.enabled = True
+        self.heartbeats = 0
+        self.admitted: list[tuple[str, list[int]]] = []
+        self.stage_requests: list[dict[str, Any]] = []
+        self.loops: list[asyncio.AbstractEventLoop] = []
+
+    def heartbeat(self) -> None:
+        self.heartbeats += 1
+
+    async def heartbeat_loop(self) -> None:
+        self.loops.append(asyncio.get_running_loop())
+        await asyncio.Event().wait()
+
+    def request_admitted(self, request_id: str, stage_path: Any) -> None:
+        self.admitted.append((request_id, list(stage_path)))
+
+    def record_stage_request(
+        self, request_id: str, start: int, end: int, error: str | None = None, **stage: Any
+    ) -> None:
+        self.stage_requests.append(
+            {"id": request_id, "start": start, "end": end, "error": error, **stage}
+        )
+
+
+@dataclass
+class FakeClock:
+    now: float = 0.0
+
+
+@dataclass
+class Fixture:
+    context: HookContext
+    clock: FakeClock
+    environ: dict[str, str]
+    made: dict[ProcessIdentity, FakeTelemetry] = field(default_factory=dict)
+
+
+@pytest.fixture
+def fx() -> Fixture:
+    clock = FakeClock()
+    environ: dict[str, str] = {}
+    made: dict[ProcessIdentity, FakeTelemetry] = {}
+
+    def make(identity: ProcessIdentity) -> Any:
+        made[identity] = FakeTelemetry(identity)
+        return made[identity]
+
+    context = HookContext(
+        make,
+        lambda: ProcessIdentity("engine", 0, 0),
+        environ=environ,
+        monotonic=lambda: clock.now,
+        wall_ns=lambda: int(clock.now * 1e9),
+    )
+    return Fixture(context, clock, environ, made)
+
+
+@pytest.fixture
+def fake_modules(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], types.ModuleType]:
+    def register(name: str) -> types.ModuleType:
+        module = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, module)
+        return module
+
+    return register
+
+
+def fake_engine_core(register: Callable[[str], types.ModuleType]) -> type[Any]:
+    class EngineCoreProc:
+        def __init__(self) -> None:
+            self.input_queue: queue.Queue[str] = queue.Queue()
+            self.handled: list[str] = []
+
+        def _process_input_queue(self) -> None:
+            self.handled.append(self.input_queue.get())
+
+    register("vllm.v1.engine.core").EngineCoreProc = EngineCoreProc  # type: ignore[attr-defined]
+    return EngineCoreProc
+
+
+def test_engine_loop_beats_at_most_once_per_interval(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    engine_class = fake_engine_core(fake_modules)
+    assert hooks.install_engine_core_loop(fx.context)
+    engine = engine_class()
+    for index in range(5):
+        engine.input_queue.put(f"req-{index}")
+        engine._process_input_queue()
+    telemetry = fx.made[ProcessIdentity("engine", 0, 0)]
+    assert engine.handled == [f"req-{index}" for index in range(5)]
+    assert telemetry.heartbeats == 1
+    fx.clock.now += telemetry.heartbeat_interval
+    engine.input_queue.put("later")
+    engine._process_input_queue()
+    assert telemetry.heartbeats == 2
+
+
+def test_engine_loop_beats_while_idle_and_still_gets_its_work(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    engine_class = fake_engine_core(fake_modules)
+    hooks.install_engine_core_loop(fx.context)
+    engine = engine_class()
+    telemetry = fx.context.telemetry()
+    loop_thread = threading.Thread(target=engine._process_input_queue)
+
+    def advance_and_count() -> bool:
+        fx.clock.now += 1.0
+        return telemetry.heartbeats >= 4  # type: ignore[attr-defined]
+
+    loop_thread.start()
+    try:
+        deadline = 200
+        while not advance_and_count() and deadline:
+            deadline -= 1
+            threading.Event().wait(0.02)
+        assert telemetry.heartbeats >= 4  # type: ignore[attr-defined]
+    finally:
+        engine.input_queue.put("work")
+        loop_thread.join(5)
+    assert engine.handled == ["work"]
+
+
+def test_hooks_wrap_once_and_skip_what_is_missing(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    engine_class = fake_engine_core(fake_modules)
+    assert hooks.install_engine_core_loop(fx.context)
+    wrapped = engine_class._process_input_queue
+    assert hooks.install_engine_core_loop(fx.context)
+    assert engine_class._process_input_queue is wrapped
+    fake_modules("vllm_omni.engine.orchestrator")
+    assert not hooks.install_omni030_orchestrator(fx.context)
+
+
+def fake_orchestrator(register: Callable[[str], types.ModuleType]) -> type[Any]:
+    module = register("vllm_omni.engine.orchestrator")
+
+    @dataclass
+    class OrchestratorRequestState:
+        request_id: str
+        stage_submit_ts: dict[int, float] = field(default_factory=dict)
+
+    class OrchestratorBase:
+        def __init__(self) -> None:
+            self.request_states: dict[str, OrchestratorRequestState] = {}
+            self.routed: list[Any] = []
+
+        async def run(self) -> None:
+            await asyncio.sleep(0)
+
+        async def _handle_processed_outputs(
+            self, stage_id: int, replica_id: int, outputs: list[Any]
+        ) -> None:
+            for output in outputs:
+                if output.finished or output.error is not None:
+                    self.request_states.pop(output.request_id, None)
+                self.routed.append(output)
+
+    class Orchestrator(OrchestratorBase):
+        async def _handle_add_request(self, msg: Any) -> None:
+            state = OrchestratorRequestState(msg.request_id)
+            state.stage_submit_ts[0] = 10.0
+            self.request_states[msg.request_id] = state
+
+    module.OrchestratorBase = OrchestratorBase  # type: ignore[attr-defined]
+    module.Orchestrator = Orchestrator  # type: ignore[attr-defined]
+    return Orchestrator
+
+
+@dataclass
+class Output:
+    request_id: str
+    finished: bool
+    error: str | None = None
+
+
+def test_omni030_orchestrator_spans(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    orchestrator_class = fake_orchestrator(fake_modules)
+    assert hooks.install_omni030_orchestrator(fx.context)
+    orchestrator = orchestrator_class()
+    fx.clock.now = 12.5
+
+    async def scenario() -> None:
+        await orchestrator.run()
+        for request_id in ("ok", "bad"):
+            msg = types.SimpleNamespace(request_id=request_id, final_stage_id=2)
+            await orchestrator._handle_add_request(msg)
+        await orchestrator._handle_processed_outputs(0, 1, [Output("ok", finished=False)])
+        await orchestrator._handle_processed_outputs(
+            0, 1, [Output("ok", finished=True), Output("bad", False, "boom")]
+        )
+
+    asyncio.run(scenario())
+    telemetry = fx.made[ProcessIdentity("orchestrator")]
+    assert telemetry.admitted == [("ok", [0, 1, 2]), ("bad", [0, 1, 2])]
+    start, end = 10 * 10**9, int(12.5 * 1e9)
+    assert telemetry.stage_requests == [
+        {"id": "ok", "start": start, "end": end, "error": None, "stage_id": 0, "replica": 1},
+        {"id": "bad", "start": start, "end": end, "error": "boom", "stage_id": 0, "replica": 1},
+    ]
+    assert len(telemetry.loops) == 1
+    assert len(orchestrator.routed) == 3
+
+
+def fake_omni011_stage(register: Callable[[str], types.ModuleType]) -> types.ModuleType:
+    module = register("vllm_omni.entrypoints.omni_stage")
+
+    async def _stage_worker_async(
+        omni_stage: Any, model: str, stage_payload: dict[str, Any], batch_timeout: int = 10
+    ) -> None:
+        stage_id = stage_payload["stage_id"]
+        in_q, out_q = omni_stage._in_q, omni_stage._out_q
+        while True:
+            task = in_q.get()
+            if task is None:
+                break
+            rid = task["request_id"]
+            if rid == "bad":
+                out_q.put({"request_id": rid, "stage_id": stage_id, "error": "engine dead"})
+            else:
+                out_q.put({"request_id": rid, "stage_id": stage_id, "engine_outputs": [rid]})
+
+    def _stage_worker_async_entry(omni_stage: Any, model: str, payload: Any) -> None:
+        asyncio.run(module._stage_worker_async(omni_stage, model, payload))
+
+    module._stage_worker_async = _stage_worker_async  # type: ignore[attr-defined]
+    module._stage_worker_async_entry = _stage_worker_async_entry  # type: ignore[attr-defined]
+    return module
+
+
+def omni_stage_with(*tasks: Any) -> Any:
+    stage = types.SimpleNamespace(_in_q=queue.Queue(), _out_q=queue.Queue())
+    for task in tasks:
+        stage._in_q.put(task)
+    return stage
+
+
+def test_omni011_stage_worker_wrapped_before_it_runs(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    module = fake_omni011_stage(fake_modules)
+    assert hooks.install_omni011_stage_worker(fx.context, process=None)
+    stage = omni_stage_with({"request_id": "ok"}, {"request_id": "bad"}, None)
+    module._stage_worker_async_entry(stage, "model", {"stage_id": 1})
+    telemetry = fx.made[ProcessIdentity("stage", 1, 0)]
+    assert [(r["id"], r["error"]) for r in telemetry.stage_requests] == [
+        ("ok", None),
+        ("bad", "engine dead"),
+    ]
+    assert stage._out_q.qsize() == 2
+    assert len(telemetry.loops) == 1
+    assert fx.environ[hooks.STAGE_ID_ENV] == "1"
+
+
+def test_omni011_stage_worker_already_running_is_instrumented(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    module = fake_omni011_stage(fake_modules)
+    stage = omni_stage_with({"request_id": "ok"}, None)
+    process = types.SimpleNamespace(
+        _target=module._stage_worker_async_entry, _args=(stage, "model", {"stage_id": 2})
+    )
+    original = module._stage_worker_async
+    hooks.install_omni011_stage_worker(fx.context, process)
+    asyncio.run(original(stage, "model", {"stage_id": 2}))
+    telemetry = fx.made[ProcessIdentity("stage", 2, 0)]
+    assert [r["id"] for r in telemetry.stage_requests] == ["ok"]
+
+
+def test_omni011_api_admits_each_request(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    module = fake_modules("vllm_omni.entrypoints.async_omni")
+
+    class AsyncOmni:
+        stage_list = ["thinker", "talker", "code2wav"]
+
+        async def generate(self, prompt: str, request_id: str) -> Any:
+            for stage in self.stage_list:
+                yield f"{request_id}:{stage}"
+
+    module.AsyncOmni = AsyncOmni  # type: ignore[attr-defined]
+    assert hooks.install_omni011_api(fx.context)
+
+    async def collect() -> list[str]:
+        return [output async for output in AsyncOmni().generate("hi", "r1")]
+
+    assert asyncio.run(collect()) == ["r1:thinker", "r1:talker", "r1:code2wav"]
+    assert fx.made[ProcessIdentity("api")].admitted == [("r1", [0, 1, 2])]
+
+
+def test_legacy_build_app_gets_the_route(
+    fake_modules: Callable[[str], types.ModuleType],
+) -> None:
+    module = fake_modules("vllm.entrypoints.openai.api_server")
+    module.build_app = lambda args: {"args": args}  # type: ignore[attr-defined]
+    added: list[Any] = []
+    assert hooks.install_legacy_build_app(added.append)
+    assert module.build_app("argv") == {"args": "argv"}
+    assert added == [{"args": "argv"}]
+
+
+@pytest.mark.parametrize(
+    ("title", "environ", "expected"),
+    [
+        ("VLLM::StageEngineCoreProc_stage2_replica1_DP0", {}, ProcessIdentity("stage", 2, 1)),
+        ("VLLM::StageEngineCoreProc_stage0", {"VLLM_OMNI_REPLICA_ID": "3"}, ("stage", 0, 3)),
+        ("VLLM::EngineCore", {}, ProcessIdentity("engine", 0, 0)),
+        ("VLLM::EngineCore", {hooks.STAGE_ID_ENV: "1"}, ProcessIdentity("engine", 1, 0)),
+        ("VLLM::Worker", {}, ProcessIdentity("worker", 0, 0)),
+        ("python -m vllm.entrypoints.openai.api_server", {}, ProcessIdentity("api")),
+    ],
+)
+def test_identify_process(title: str, environ: dict[str, str], expected: Any) -> None:
+    identity = plugin.identify_process(title, None, environ)
+    assert identity == (ProcessIdentity(*expected) if isinstance(expected, tuple) else expected)
+
+
+def test_identify_omni011_stage_worker_from_its_process_target() -> None:
+    def _stage_worker_async_entry() -> None: ...
+
+    process = types.SimpleNamespace(
+        _target=_stage_worker_async_entry, _args=(None, "model", {"stage_id": 1})
+    )
+    assert plugin.identify_process("python", process, {}) == ProcessIdentity("stage", 1, 0)
+
+
+def test_register_general_never_raises_and_is_idempotent(
+    fake_modules: Callable[[str], types.ModuleType],
+) -> None:
+    engine_class = fake_engine_core(fake_modules)
+    made: list[Any] = []
+    stage_plugin = plugin.Plugin(
+        environ={},
+        process_title=lambda: "VLLM::StageEngineCoreProc_stage1_replica0_DP0",
+        current_process=lambda: None,
+        make_telemetry=lambda **kwargs: made.append(kwargs),
+        at_exit=lambda function: None,
+    )
+    assert stage_plugin.register_general() == ["engine_core_loop"]
+    wrapped = engine_class._process_input_queue
+    assert stage_plugin.register_general() == ["engine_core_loop"]
+    assert engine_class._process_input_queue is wrapped
+    plugin.register_general()
+    plugin.register_general()
+
+
+def test_register_general_in_a_worker_installs_nothing() -> None:
+    def refuse(**kwargs: Any) -> Any:
+        raise AssertionError("a worker makes no telemetry")
+
+    worker_plugin = plugin.Plugin(
+        environ={},
+        process_title=lambda: "VLLM::Worker",
+        current_process=lambda: None,
+        make_telemetry=refuse,
+    )
+    assert worker_plugin.register_general() == []
+
+
+def test_endpoint_plugin_adds_the_admin_route_once() -> None:
+    fastapi = pytest.importorskip("fastapi", reason="FastAPI is not installed")
+    endpoint = plugin.register_endpoints()
+    assert endpoint.name == "omni_watchdog"
+    assert endpoint.required_tasks is None
+    app = fastapi.FastAPI()
+    endpoint.attach_router(app)
+    endpoint.attach_router(app)
+    assert [route.path for route in app.routes].count("/admin/shutdown") == 1

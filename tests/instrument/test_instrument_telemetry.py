@@ -1,0 +1,235 @@
+"""StageTelemetry against a real local OTLP/HTTP collector."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from omni_watchdog.instrument.telemetry import StageTelemetry, heartbeat_interval, traces_endpoint
+
+STATUS_ERROR = 2
+Collector = Any
+WaitUntil = Callable[..., bool]
+
+
+@pytest.fixture
+def stage_telemetry(collector: Collector) -> Iterator[StageTelemetry]:
+    telemetry = StageTelemetry.from_environment(
+        process_kind="stage",
+        stage_id=1,
+        stage_name="talker",
+        replica=2,
+        environ={"OMNI_WATCHDOG_OTLP_ENDPOINT": collector.url},
+    )
+    yield telemetry
+    telemetry.shutdown()
+
+
+def test_spans_arrive_with_names_attributes_and_resource(
+    collector: Collector, stage_telemetry: StageTelemetry, wait_until: WaitUntil
+) -> None:
+    stage_telemetry.request_admitted("req-1", [0, 1, 2])
+    with stage_telemetry.stage_request("req-1"):
+        pass
+    stage_telemetry.record_stage_request("req-2", 1_000, 2_000)
+    assert wait_until(lambda: len(collector.spans) == 3)
+    [admitted] = collector.named("omni.request.admitted")
+    assert admitted.attributes["omni.request.id"] == "req-1"
+    assert admitted.attributes["omni.request.stage_path"] == [0, 1, 2]
+    stage_spans = collector.named("omni.stage.request")
+    assert [span.attributes["omni.request.id"] for span in stage_spans] == ["req-1", "req-2"]
+    assert all(span.attributes["omni.stage.id"] == 1 for span in stage_spans)
+    assert all(span.attributes["omni.stage.replica"] == 2 for span in stage_spans)
+    assert stage_spans[1].start_ns == 1_000
+    resource = admitted.resource
+    assert resource["service.name"] == "omni-watchdog-instrument"
+    assert resource["omni.stage.id"] == 1
+    assert resource["omni.stage.name"] == "talker"
+    assert resource["omni.stage.replica"] == 2
+    assert resource["omni.process.kind"] == "stage"
+    assert isinstance(resource["process.pid"], int)
+
+
+def test_service_name_comes_from_otel_service_name(
+    collector: Collector, wait_until: WaitUntil
+) -> None:
+    telemetry = StageTelemetry.from_environment(
+        process_kind="api",
+        environ={
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url + "/v1/traces",
+            "OTEL_SERVICE_NAME": "omni-api",
+        },
+    )
+    telemetry.heartbeat()
+    assert wait_until(lambda: len(collector.spans) == 1)
+    assert collector.spans[0].resource["service.name"] == "omni-api"
+    assert "omni.stage.id" not in collector.spans[0].attributes
+    telemetry.shutdown()
+
+
+def test_failure_marks_the_span_and_reraises_unchanged(
+    collector: Collector, stage_telemetry: StageTelemetry, wait_until: WaitUntil
+) -> None:
+    failure = ValueError("engine dead")
+    with pytest.raises(ValueError) as raised, stage_telemetry.stage_request("req-9"):
+        raise failure
+    assert raised.value is failure
+    stage_telemetry.record_stage_request("req-10", 1, 2, error="stage 1 failed")
+    assert wait_until(lambda: len(collector.spans) == 2)
+    wrapped, recorded = collector.named("omni.stage.request")
+    assert wrapped.status_code == STATUS_ERROR
+    assert "engine dead" in wrapped.status_message
+    [(event_name, event_attributes)] = wrapped.events
+    assert event_name == "exception"
+    assert event_attributes["exception.type"] == "ValueError"
+    assert recorded.status_code == STATUS_ERROR
+    assert recorded.events[0][1]["exception.message"] == "stage 1 failed"
+
+
+def test_first_heartbeat_arrives_within_a_second_and_a_half(
+    collector: Collector, wait_until: WaitUntil
+) -> None:
+    telemetry = StageTelemetry.from_environment(
+        process_kind="engine", stage_id=0, environ={"OMNI_WATCHDOG_OTLP_ENDPOINT": collector.url}
+    )
+    started = time.monotonic()
+    telemetry.heartbeat()
+    assert wait_until(lambda: bool(collector.named("omni.stage.loop")), timeout=1.5)
+    assert time.monotonic() - started < 1.5
+    telemetry.shutdown()
+
+
+def test_heartbeats_stop_while_the_loop_is_blocked_and_resume_after(
+    collector: Collector, stage_telemetry: StageTelemetry, wait_until: WaitUntil
+) -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    release = threading.Event()
+    blocked_at: list[int] = []
+
+    def block_the_loop() -> None:
+        blocked_at.append(time.time_ns())
+        release.wait(10)
+
+    def beats_after(moment_ns: int) -> int:
+        return sum(span.start_ns > moment_ns for span in collector.named("omni.stage.loop"))
+
+    try:
+        asyncio.run_coroutine_threadsafe(stage_telemetry.heartbeat_loop(0.05), loop)
+        assert wait_until(lambda: len(collector.named("omni.stage.loop")) >= 3)
+        loop.call_soon_threadsafe(block_the_loop)
+        assert wait_until(lambda: bool(blocked_at))
+        # Long enough for several beats and exports, had the loop been free.
+        time.sleep(0.6)
+        assert beats_after(blocked_at[0]) == 0
+        released_at = time.time_ns()
+        release.set()
+        assert wait_until(lambda: beats_after(released_at) >= 2)
+    finally:
+        release.set()
+        for task in asyncio.all_tasks(loop):
+            loop.call_soon_threadsafe(task.cancel)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_collector_down_costs_counted_drops_not_time(
+    unused_port: int, wait_until: WaitUntil
+) -> None:
+    telemetry = StageTelemetry.from_environment(
+        process_kind="stage",
+        stage_id=0,
+        environ={"OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{unused_port}"},
+    )
+    started = time.monotonic()
+    for index in range(200):
+        telemetry.heartbeat()
+        with telemetry.stage_request(f"req-{index}"):
+            pass
+    assert time.monotonic() - started < 0.5
+    assert wait_until(lambda: telemetry.dropped_spans == 400)
+    started = time.monotonic()
+    telemetry.shutdown(timeout_s=1.0)
+    telemetry.shutdown(timeout_s=1.0)
+    assert time.monotonic() - started < 1.5
+
+
+class BlockedExporter(SpanExporter):
+    """An exporter stuck on a collector that never answers, until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.exported = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.release.wait(5)
+        self.exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+
+def test_a_full_queue_drops_and_counts_without_blocking() -> None:
+    exporter = BlockedExporter()
+    telemetry = StageTelemetry(
+        exporter, process_kind="stage", stage_id=0, max_queue_size=10, schedule_delay_s=0.01
+    )
+    started = time.monotonic()
+    for _ in range(30):
+        telemetry.heartbeat()
+    assert time.monotonic() - started < 0.5
+    assert telemetry.dropped_spans == 20
+    exporter.release.set()
+    telemetry.shutdown(timeout_s=2.0)
+    assert exporter.exported == 10
+
+
+def test_without_an_endpoint_everything_is_a_no_op() -> None:
+    telemetry = StageTelemetry.from_environment(process_kind="worker", environ={})
+    assert not telemetry.enabled
+    telemetry.request_admitted("req", [0])
+    with telemetry.stage_request("req"):
+        pass
+    telemetry.record_stage_request("req", 0, 1, error="x")
+    telemetry.heartbeat()
+    asyncio.run(telemetry.heartbeat_loop())
+    telemetry.shutdown()
+    assert telemetry.dropped_spans == 0
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({"OMNI_WATCHDOG_OTLP_ENDPOINT": "http://h:4318"}, "http://h:4318/v1/traces"),
+        ({"OMNI_WATCHDOG_OTLP_ENDPOINT": "http://h:4318/"}, "http://h:4318/v1/traces"),
+        ({"OMNI_WATCHDOG_OTLP_ENDPOINT": "http://h:9/x/traces"}, "http://h:9/x/traces"),
+        (
+            {
+                "OMNI_WATCHDOG_OTLP_ENDPOINT": "http://own:1",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://std:2/v1/traces",
+            },
+            "http://own:1/v1/traces",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://std:2/v1/traces"},
+            "http://std:2/v1/traces",
+        ),
+        ({}, None),
+    ],
+)
+def test_endpoint_resolution(environ: dict[str, str], expected: str | None) -> None:
+    assert traces_endpoint(environ) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("", 1.0), ("0.25", 0.25), ("0", 1.0), ("soon", 1.0), ("-2", 1.0)]
+)
+def test_heartbeat_interval(text: str, expected: float) -> None:
+    assert heartbeat_interval({"OMNI_WATCHDOG_HEARTBEAT_INTERVAL": text}) == expected

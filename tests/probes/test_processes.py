@@ -1,0 +1,627 @@
+"""The process tracker: attach, record the tree, map stages, orphans, pid reuse, re-attach.
+
+The first half drives a fake process table; the second half starts a real process tree
+(API root -> spawn stage workers -> titled engine children, plus a setsid child, a zombie
+and, on demand, a stopped or killed process) and kills all of it at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import psutil
+import pytest
+
+from omni_watchdog.clock import FakeClock, SystemClock
+from omni_watchdog.probes.processes import ProcessTracker
+from omni_watchdog.types import (
+    Observation,
+    ProbeError,
+    ProcessIdentity,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStatus,
+    Stage,
+    StageRef,
+    Topology,
+)
+
+TWO_STAGES = Topology((Stage(0, "thinker", downstream=(1,)), Stage(1, "talker", upstream=(0,))))
+SPAWN_CMDLINE = [
+    "/usr/bin/python3",
+    "-c",
+    "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)",
+    "--multiprocessing-fork",
+]
+TRACKER_CMDLINE = [
+    "/usr/bin/python3",
+    "-c",
+    "from multiprocessing.resource_tracker import main;main(4)",
+]
+OWN_PID = 50
+PORT = 8000
+
+
+# --- a fake process table ---------------------------------------------------------------
+
+
+class FakePsutil:
+    """The part of psutil the tracker uses, over a table the test edits."""
+
+    class Error(Exception):
+        pass
+
+    class NoSuchProcess(Error):
+        pass
+
+    class ZombieProcess(NoSuchProcess):
+        pass
+
+    class AccessDenied(Error):
+        pass
+
+    CONN_LISTEN = "LISTEN"
+
+    def __init__(self) -> None:
+        self.table: dict[int, FakeProcess] = {}
+        self.listening: list[int] = []
+        self.clock = 1.0
+
+    def add(self, pid: int, ppid: int, cmdline: list[str] | str, status: str = "sleeping") -> None:
+        self.clock += 1.0
+        argv = cmdline.split() if isinstance(cmdline, str) else cmdline
+        self.table[pid] = FakeProcess(self, pid, ppid, argv, status, self.clock)
+
+    def Process(self, pid: int) -> FakeProcess:
+        if pid not in self.table:
+            raise self.NoSuchProcess(pid)
+        return self.table[pid]
+
+    def net_connections(self, kind: str) -> list[Any]:
+        # Like psutil's socket table: one holder per socket, here the first one listed.
+        return [listener(self.listening[0])] if self.listening else []
+
+
+class FakeProcess:
+    def __init__(
+        self, psutil: FakePsutil, pid: int, ppid: int, argv: list[str], status: str, created: float
+    ) -> None:
+        self._psutil = psutil
+        self.pid = pid
+        self._ppid = ppid
+        self._argv = argv
+        self._status = status
+        self._created = created
+
+    def oneshot(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def create_time(self) -> float:
+        return self._created
+
+    def status(self) -> str:
+        return self._status
+
+    def ppid(self) -> int:
+        return self._ppid
+
+    def cmdline(self) -> list[str]:
+        if self._status == "zombie":
+            raise self._psutil.ZombieProcess(self.pid)
+        return self._argv
+
+    def name(self) -> str:
+        return "python3"
+
+    def cpu_times(self) -> Any:
+        return SimpleNamespace(user=1.5, system=0.5)
+
+    def children(self, recursive: bool) -> list[FakeProcess]:
+        direct = [p for p in self._psutil.table.values() if p._ppid == self.pid]
+        if not recursive:
+            return direct
+        return direct + [grandchild for child in direct for grandchild in child.children(True)]
+
+    def net_connections(self, kind: str) -> list[Any]:
+        return [listener(self.pid)] if self.pid in self._psutil.listening else []
+
+    def parents(self) -> list[FakeProcess]:
+        parent = self._psutil.table.get(self._ppid)
+        return [parent, *parent.parents()] if parent else []
+
+
+def listener(pid: int) -> Any:
+    address = SimpleNamespace(ip="0.0.0.0", port=PORT)
+    return SimpleNamespace(pid=pid, status="LISTEN", laddr=address)
+
+
+def groups_of(pid: int) -> tuple[int, int]:
+    # Everyone is in the root's group except the watchdog, which has its own.
+    return (OWN_PID, OWN_PID) if pid == OWN_PID else (100, 100)
+
+
+def fake_tracker(table: FakePsutil, pid: int | None = None, topology: Topology = TWO_STAGES) -> Any:
+    return ProcessTracker(
+        table,  # type: ignore[arg-type]
+        FakeClock(),
+        own_pid=OWN_PID,
+        target_port=None if pid else PORT,
+        pid=pid,
+        topology=topology,
+        process_groups=groups_of,
+    )
+
+
+def collect(tracker: ProcessTracker) -> list[Observation]:
+    return list(asyncio.run(tracker.collect()))
+
+
+def by_pid(tracker: ProcessTracker) -> dict[int, ProcessInfo]:
+    return {info.pid: info for info in tracker.recorded()}
+
+
+def roles(tracker: ProcessTracker) -> dict[int, tuple[ProcessRole, StageRef | None]]:
+    return {pid: (info.role, info.stage) for pid, info in by_pid(tracker).items()}
+
+
+def test_titles_map_roles_and_stages() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve --omni")
+    table.add(101, 100, "VLLM::StageEngineCoreProc_stage0_replica0_DP0")
+    table.add(102, 100, "VLLM::StageEngineCoreProc_stage1_replica1_DP0")
+    table.add(103, 102, "VLLM::Worker_TP0")
+    table.add(104, 100, TRACKER_CMDLINE)
+    table.add(105, 100, "VLLM::EngineCore_DP1")
+    table.add(106, 105, "VLLM::Worker")
+    table.add(107, 102, "VLLM::EngineCore")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    observations = collect(tracker)
+    assert roles(tracker) == {
+        100: (ProcessRole.API, None),
+        101: (ProcessRole.ENGINE, StageRef(0, 0)),
+        102: (ProcessRole.ENGINE, StageRef(1, 1)),
+        103: (ProcessRole.WORKER, StageRef(1, 1)),
+        104: (ProcessRole.HELPER, None),
+        105: (ProcessRole.ENGINE, StageRef(0, 1)),
+        106: (ProcessRole.WORKER, StageRef(0, 1)),
+        107: (ProcessRole.ENGINE, StageRef(1, 1)),
+    }
+    assert sorted(o.pid for o in observations) == [100, 101, 102, 103, 104, 105, 106, 107]
+    assert observations[0].process == tracker.root
+    assert {o.outcome for o in observations} == {"sleeping"}
+    assert {o.pid: o.stage for o in observations}[102] == StageRef(1, 1)
+    info = by_pid(tracker)[101]
+    assert (info.title, info.cpu_seconds, info.pgid, info.sid) == (
+        "VLLM::StageEngineCoreProc_stage0_replica0_DP0",
+        2.0,
+        100,
+        100,
+    )
+    assert tracker.stage_of(103) == StageRef(1, 1)
+    assert tracker.stage_of(999) is None
+    assert tracker.pgids() == {100}
+
+
+def test_spawn_order_maps_0_11_stage_workers_and_keeps_ranks() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "python -m vllm_omni.entrypoints.cli serve --omni")
+    table.add(101, 100, TRACKER_CMDLINE)
+    table.add(110, 100, SPAWN_CMDLINE)
+    table.add(120, 100, SPAWN_CMDLINE)
+    table.add(130, 100, SPAWN_CMDLINE)
+    table.add(111, 110, "VLLM::EngineCore")
+    table.add(121, 120, "VLLM::EngineCore")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    collect(tracker)
+    assert roles(tracker) == {
+        100: (ProcessRole.API, None),
+        101: (ProcessRole.HELPER, None),
+        110: (ProcessRole.STAGE, StageRef(0)),
+        120: (ProcessRole.STAGE, StageRef(1)),
+        130: (ProcessRole.HELPER, None),
+        111: (ProcessRole.ENGINE, StageRef(0)),
+        121: (ProcessRole.ENGINE, StageRef(1)),
+    }
+    del table.table[110]
+    table.table[111]._ppid = 1
+    collect(tracker)
+    assert roles(tracker)[120] == (ProcessRole.STAGE, StageRef(1))
+    assert by_pid(tracker)[111].orphaned
+    assert roles(tracker)[111] == (ProcessRole.ENGINE, StageRef(0))
+
+
+def test_learned_stages_beat_titles_and_spawn_order() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve")
+    table.add(101, 100, "python worker.py")
+    table.add(102, 100, "VLLM::EngineCore")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    tracker.learn_stage(101, StageRef(2, 1), "engine")
+    tracker.learn_stage(102, StageRef(3), None)
+    tracker.learn_stage(100, StageRef(0), "orchestrator")
+    collect(tracker)
+    assert roles(tracker) == {
+        100: (ProcessRole.API, StageRef(0)),
+        101: (ProcessRole.ENGINE, StageRef(2, 1)),
+        102: (ProcessRole.ENGINE, StageRef(3)),
+    }
+
+
+def test_zombies_stopped_and_disk_sleep_are_reported() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve")
+    table.add(101, 100, "VLLM::EngineCore", status="running")
+    table.add(102, 100, "VLLM::Worker", status="tracing-stop")
+    table.add(103, 100, "helper", status="disk-sleep")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    collect(tracker)
+    table.table[101]._status = "zombie"
+    outcomes = {o.pid: o.outcome for o in collect(tracker)}
+    assert outcomes == {100: "sleeping", 101: "zombie", 102: "stopped", 103: "disk_sleep"}
+    # A zombie's command line is gone; it is still known as the engine it was.
+    assert roles(tracker)[101] == (ProcessRole.ENGINE, StageRef(0))
+
+
+def test_pid_reuse_is_an_exit_and_the_new_process_is_not_ours() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve")
+    table.add(101, 100, "VLLM::EngineCore")
+    table.add(102, 100, "helper")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    collect(tracker)
+    old = by_pid(tracker)[101].identity
+    table.table[101]._ppid = 1  # left the tree: an orphan while it lives
+    assert [o.outcome for o in collect(tracker) if o.pid == 101] == ["sleeping"]
+    table.add(101, 1, "someone else's program")
+    exits = [o for o in collect(tracker) if o.pid == 101]
+    assert [(o.outcome, o.process and o.process.create_time) for o in exits] == [
+        ("exited", old.create_time)
+    ]
+    assert [o.pid for o in collect(tracker)] == [100, 102]
+    assert tracker.is_recorded(old)
+    assert not tracker.is_recorded(ProcessIdentity(101, table.table[101].create_time()))
+    assert tracker.stage_of(101) is None
+    assert 101 not in {info.pid for info in tracker.live()}
+
+
+def test_a_reused_pid_inside_the_tree_is_a_new_member() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve")
+    table.add(101, 100, "VLLM::EngineCore")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    collect(tracker)
+    table.add(101, 100, "VLLM::EngineCore")
+    outcomes = sorted((o.process.create_time, o.outcome) for o in collect(tracker) if o.pid == 101)
+    assert [outcome for _, outcome in outcomes] == ["exited", "sleeping"]
+    assert len(tracker.recorded()) == 3
+
+
+def test_attach_by_port_climbs_to_the_oldest_sharer_never_the_watchdog_or_init() -> None:
+    table = FakePsutil()
+    table.add(OWN_PID, 1, "omni-watchdog run")
+    table.add(100, 1, "vllm serve")
+    table.add(101, 100, "uvicorn worker")
+    table.add(102, 101, "uvicorn worker")
+    table.listening = [102, 101, 100, OWN_PID, 1]
+    tracker = fake_tracker(table)
+    collect(tracker)
+    assert tracker.root is not None and tracker.root.pid == 100
+    assert tracker.generation == 1 and tracker.target_alive
+    table.listening = [OWN_PID, 1]
+    with pytest.raises(ProbeError, match="no process listens"):
+        collect(fake_tracker(table))
+
+
+def test_no_server_is_a_probe_error_until_one_appears() -> None:
+    table = FakePsutil()
+    tracker = fake_tracker(table)
+    with pytest.raises(ProbeError, match="no process listens on port 8000"):
+        collect(tracker)
+    table.add(100, 1, "vllm serve")
+    table.listening = [100]
+    assert [o.pid for o in collect(tracker)] == [100]
+    with pytest.raises(ProbeError, match="no process with pid 7"):
+        collect(fake_tracker(table, pid=7))
+    with pytest.raises(ProbeError, match="is the watchdog or init"):
+        collect(fake_tracker(table, pid=OWN_PID))
+
+
+def test_pid_mode_never_attaches_to_a_reused_root_pid() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve")
+    tracker = fake_tracker(table, pid=100)
+    collect(tracker)
+    table.add(100, 1, "another program")
+    assert [o.outcome for o in collect(tracker)] == ["exited"]
+    assert collect(tracker) == []
+    assert (tracker.generation, tracker.target_alive) == (1, False)
+
+
+def test_a_survivor_holding_the_old_socket_is_not_a_new_server() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve")
+    table.add(101, 100, "forked worker")
+    table.listening = [100, 101]
+    tracker = fake_tracker(table)
+    collect(tracker)
+    del table.table[100]
+    table.table[101]._ppid = 1
+    table.listening = [101]
+    observations = collect(tracker)
+    assert [(o.pid, o.outcome, o.process and o.process.orphaned) for o in observations] == [
+        (100, "exited", False),
+        (101, "sleeping", True),
+    ]
+    assert (tracker.generation, tracker.target_alive) == (1, False)
+
+
+def test_pgids_never_include_the_watchdogs_own_group() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve")
+    table.listening = [100]
+    tracker = ProcessTracker(
+        table,  # type: ignore[arg-type]
+        FakeClock(),
+        own_pid=OWN_PID,
+        target_port=PORT,
+        pid=None,
+        topology=TWO_STAGES,
+        process_groups=lambda pid: (7, 7),
+    )
+    collect(tracker)
+    assert tracker.pgids() == set()
+
+
+# --- a real process tree ------------------------------------------------------------------
+
+SERVER_PROGRAM = """
+import multiprocessing, os, socket, sys, time
+import setproctitle
+
+def engine():
+    setproctitle.setproctitle("VLLM::EngineCore")
+    time.sleep(600)
+
+def stage_worker():
+    multiprocessing.get_context("fork").Process(target=engine).start()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", int(sys.argv[1])))
+    listener.listen()
+    spawn = multiprocessing.get_context("spawn")
+    for _ in range(2):
+        spawn.Process(target=stage_worker).start()
+    if os.fork() == 0:
+        listener.close()
+        os.setsid()
+        setproctitle.setproctitle("escaped-helper")
+        time.sleep(600)
+        os._exit(0)
+    if os.fork() == 0:
+        os._exit(0)  # never waited for: a zombie
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+class Servers:
+    """Starts test servers and kills every process they or the trackers ever saw."""
+
+    def __init__(self, directory: Path) -> None:
+        self.program = directory / "server.py"
+        self.program.write_text(SERVER_PROGRAM)
+        self.started: list[subprocess.Popen[str]] = []
+        self.trackers: list[ProcessTracker] = []
+
+    def start(self, port: int) -> subprocess.Popen[str]:
+        server = subprocess.Popen(
+            [sys.executable, str(self.program), str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.started.append(server)
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        return server
+
+    def tracker(self, *, port: int | None = None, pid: int | None = None) -> ProcessTracker:
+        tracker = ProcessTracker(
+            psutil,  # type: ignore[arg-type]
+            SystemClock(),
+            own_pid=os.getpid(),
+            target_port=port,
+            pid=pid,
+            topology=TWO_STAGES,
+        )
+        self.trackers.append(tracker)
+        return tracker
+
+    def kill_all(self) -> None:
+        ours = {
+            info.identity
+            for tracker in self.trackers
+            for info in (*tracker.recorded(), *tracker.previous_generation())
+        }
+        for server in self.started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                root = psutil.Process(server.pid)
+                ours.update(
+                    ProcessIdentity(p.pid, p.create_time())
+                    for p in (root, *root.children(recursive=True))
+                )
+        for identity in ours:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(identity.pid).create_time() == identity.create_time:
+                    os.kill(identity.pid, signal.SIGKILL)
+        for server in self.started:
+            server.kill()
+            server.wait(timeout=10)
+            assert server.stdout is not None
+            server.stdout.close()
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[Servers]:
+    harness = Servers(tmp_path)
+    try:
+        yield harness
+    finally:
+        harness.kill_all()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def until(
+    tracker: ProcessTracker,
+    predicate: Callable[[ProcessTracker], bool],
+    seen: list[Observation] | None = None,
+    timeout: float = 15.0,
+) -> None:
+    """Collect until the predicate holds, keeping every observation in `seen`."""
+
+    async def poll() -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            with contextlib.suppress(ProbeError):
+                observations = await tracker.collect()
+                if seen is not None:
+                    seen.extend(observations)
+                if predicate(tracker):
+                    return
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"not reached in {timeout}s: {tracker.recorded()}")
+            await asyncio.sleep(0.05)
+
+    asyncio.run(poll())
+
+
+def engines(tracker: ProcessTracker) -> list[ProcessInfo]:
+    return sorted(
+        (i for i in tracker.live() if i.title == "VLLM::EngineCore"), key=lambda i: i.stage or ()
+    )
+
+
+def tree_ready(tracker: ProcessTracker) -> bool:
+    return len(engines(tracker)) == 2 and all(i.stage for i in engines(tracker))
+
+
+def test_real_tree_attached_by_port(servers: Servers) -> None:
+    port = free_port()
+    server = servers.start(port)
+    tracker = servers.tracker(port=port)
+    until(
+        tracker, lambda t: tree_ready(t) and any(i.status == ProcessStatus.ZOMBIE for i in t.live())
+    )
+    root = tracker.root
+    assert root is not None and (root.pid, root.role) == (server.pid, ProcessRole.API)
+    assert tracker.target_alive and tracker.generation == 1
+    live = tracker.live()
+    stage_workers = sorted(
+        (i for i in live if i.role == ProcessRole.STAGE), key=lambda i: i.create_time
+    )
+    assert [i.stage for i in stage_workers] == [StageRef(0), StageRef(1)]
+    assert [e.ppid for e in engines(tracker)] == [w.pid for w in stage_workers]
+    assert [e.role for e in engines(tracker)] == [ProcessRole.ENGINE] * 2
+    (tracker_helper,) = (i for i in live if "resource_tracker" in i.title)
+    assert tracker_helper.role == ProcessRole.HELPER
+    (escaped,) = (i for i in live if i.title == "escaped-helper")
+    assert (escaped.sid, escaped.pgid, escaped.orphaned) == (escaped.pid, escaped.pid, False)
+    (zombie,) = (i for i in live if i.status == ProcessStatus.ZOMBIE)
+    assert (zombie.ppid, zombie.role) == (server.pid, ProcessRole.HELPER)
+    assert {i.pgid for i in live if i is not escaped} == {server.pid}
+    assert tracker.pgids() == {server.pid, escaped.pid}
+
+    stopped = engines(tracker)[1]
+    os.kill(stopped.pid, signal.SIGSTOP)
+    seen: list[Observation] = []
+    until(tracker, lambda t: by_pid(t)[stopped.pid].status == ProcessStatus.STOPPED, seen)
+    assert seen[-1].kind.value == "process"
+    assert any(o.pid == stopped.pid and o.outcome == "stopped" for o in seen)
+    assert tracker.stage_of(stopped.pid) == StageRef(1)
+
+
+def test_orphan_after_the_middle_process_is_killed(servers: Servers) -> None:
+    port = free_port()
+    server = servers.start(port)
+    tracker = servers.tracker(pid=server.pid)
+    until(tracker, tree_ready)
+    engine = engines(tracker)[0]
+    os.kill(engine.ppid, signal.SIGKILL)
+
+    def orphaned(t: ProcessTracker) -> bool:
+        return by_pid(t)[engine.pid].orphaned and by_pid(t)[engine.ppid].status in (
+            ProcessStatus.ZOMBIE,
+            ProcessStatus.EXITED,
+        )
+
+    until(tracker, orphaned)
+    orphan = by_pid(tracker)[engine.pid]
+    assert (orphan.stage, orphan.role, orphan.status) == (
+        StageRef(0),
+        ProcessRole.ENGINE,
+        ProcessStatus.SLEEPING,
+    )
+    assert orphan.ppid != engine.ppid
+    assert tracker.stage_of(engine.pid) == StageRef(0)
+
+    os.kill(engine.pid, signal.SIGKILL)
+    seen: list[Observation] = []
+    until(tracker, lambda t: by_pid(t)[engine.pid].status == ProcessStatus.EXITED, seen)
+    until(tracker, lambda t: True, seen)
+    # Until its new parent reaps it, the killed orphan is a zombie; then it exits once.
+    outcomes = [o.outcome for o in seen if o.pid == engine.pid]
+    assert outcomes.count("exited") == 1 and outcomes[-1] == "exited"
+    assert set(outcomes[:-1]) <= {"sleeping", "zombie"}
+    assert engine.pid not in {i.pid for i in tracker.live()}
+    assert tracker.is_recorded(engine.identity)
+
+
+def test_reattach_to_a_restarted_server(servers: Servers) -> None:
+    port = free_port()
+    first = servers.start(port)
+    tracker = servers.tracker(port=port)
+    until(tracker, tree_ready)
+    old_workers = [i for i in tracker.live() if i.role == ProcessRole.STAGE]
+    first.kill()
+    first.wait(timeout=10)
+    seen: list[Observation] = []
+    until(tracker, lambda t: not t.target_alive, seen)
+    until(tracker, lambda t: True, seen)
+    assert [o.outcome for o in seen if o.pid == first.pid] == ["exited"]
+    assert tracker.generation == 1
+    assert all(by_pid(tracker)[w.pid].orphaned for w in old_workers)
+
+    second = servers.start(port)
+    until(tracker, lambda t: t.generation == 2 and tree_ready(t))
+    assert tracker.target_alive
+    assert tracker.root is not None and tracker.root.pid == second.pid
+    assert {i.pid for i in tracker.recorded()}.isdisjoint(
+        {first.pid, *(w.pid for w in old_workers)}
+    )
+    previous = {i.pid: i for i in tracker.previous_generation()}
+    assert previous[first.pid].status == ProcessStatus.EXITED
+    assert all(previous[w.pid].orphaned for w in old_workers)
+    assert all(tracker.is_recorded(w.identity) for w in old_workers)

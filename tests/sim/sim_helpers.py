@@ -1,0 +1,221 @@
+"""Helpers of the simulator tests: start the sim as a real process tree, look at it, kill it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from omni_watchdog.sim.nvml import STATE_ENV, SimulatedNvml
+
+REPORT_BODY = {
+    "model": "yujiepan/qwen2.5-omni-tiny-random",
+    "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is vLLM?"},
+    ],
+    "max_tokens": 256,
+    "temperature": 0.7,
+    "stream": False,
+}
+START_TIMEOUT_S = 30.0
+EXAMPLES = Path(__file__).resolve().parents[2] / "omni_watchdog" / "examples"
+V030_CONFIG = EXAMPLES / "qwen2_5_omni_0.30.yaml"
+CONFIGS = {"0.11": EXAMPLES / "qwen2_5_omni_0.11.yaml", "0.30": V030_CONFIG}
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+class Answer:
+    """An HTTP answer: status (0 when none came in time), body and its JSON."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self.body = body
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Sim:
+    """One simulated server started by a test, with helpers to look at it."""
+
+    def __init__(self, state_dir: Path, log: Path) -> None:
+        self.state_dir = state_dir
+        self.log = log
+        self.process: subprocess.Popen[bytes] | None = None
+        self.known: dict[int, float] = {}
+        self.url = ""
+
+    def start(self, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> Sim:
+        command = [sys.executable, "-m", "omni_watchdog.sim", "--port", "0"]
+        command += ["--state-dir", str(self.state_dir), "--token-delay", "0.01", *args]
+        environment = {**os.environ, **(env or {})}
+        environment.pop(STATE_ENV, None)
+        with self.log.open("ab") as log:
+            # A session of its own, as a shell gives a job: the test can kill the whole group.
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,
+            )
+        api = wait_until(self._api_file, START_TIMEOUT_S)
+        self.url = f"http://127.0.0.1:{api['port']}"
+        if wait:
+            wait_until(lambda: self.get("/health", timeout=0.5).status == 200, START_TIMEOUT_S)
+            self.state()
+        return self
+
+    def _api_file(self) -> dict[str, Any] | None:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError(f"sim exited with {self.process.returncode}:\n{self.output()}")
+        try:
+            return dict(json.loads((self.state_dir / "api.json").read_text()))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float = 5.0,
+        headers: dict[str, str] | None = None,
+    ) -> Answer:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        request.add_header("Content-Type", "application/json")
+        for name, value in (headers or {}).items():
+            request.add_header(name, value)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return Answer(response.status, response.read())
+        except urllib.error.HTTPError as error:
+            return Answer(error.code, error.read())
+        except (TimeoutError, urllib.error.URLError, ConnectionError):
+            return Answer(0, b"")
+
+    def get(self, path: str, timeout: float = 5.0) -> Answer:
+        return self.request("GET", path, timeout=timeout)
+
+    def post(self, path: str, body: Any, timeout: float = 5.0) -> Answer:
+        return self.request("POST", path, body, timeout=timeout)
+
+    def chat(self, timeout: float = 10.0) -> Answer:
+        return self.post("/v1/chat/completions", REPORT_BODY, timeout=timeout)
+
+    def inject(self, kind: str, stage: int = 0, replica: int = 0) -> None:
+        answer = self.post("/sim/faults", {"kind": kind, "stage": stage, "replica": replica})
+        assert answer.status == 200, answer.body
+
+    def state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.get("/sim/state").json()
+        for stage in state["stages"]:
+            pids = [stage["pid"], stage["engine_pid"], *(c["pid"] for c in stage["children"])]
+            for pid in filter(None, pids):
+                self._remember(pid)
+        return state
+
+    def _remember(self, pid: int) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.known.setdefault(pid, psutil.Process(pid).create_time())
+
+    def stage(self, stage: int, replica: int = 0) -> dict[str, Any]:
+        return next(
+            s for s in self.state()["stages"] if (s["stage"], s["replica"]) == (stage, replica)
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one series of `/metrics`, matched on the labels given."""
+        for line in self.get("/metrics").body.decode().splitlines():
+            if not line.startswith(name + "{"):
+                continue
+            series, _, value = line.rpartition(" ")
+            if all(f'{key}="{wanted}"' in series for key, wanted in labels.items()):
+                return float(value)
+        raise AssertionError(f"no series {name}{labels}")
+
+    def nvml(self) -> SimulatedNvml:
+        return SimulatedNvml(self.state_dir)
+
+    def used_bytes(self) -> int:
+        nvml = self.nvml()
+        return nvml.memory(nvml.handle(0)).used
+
+    def gpu_pids(self) -> set[int]:
+        nvml = self.nvml()
+        return {p.pid for p in nvml.processes(nvml.handle(0))}
+
+    def group(self) -> list[psutil.Process]:
+        """The live, non-zombie processes of the sim's process group."""
+        found = []
+        for process in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(process.pid) == self.pid and process.status() != "zombie":
+                    found.append(process)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                continue
+        return found
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.state_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def kill_everything(self) -> None:
+        """SIGKILL the group, then whatever left it: recorded pids and GPU holders."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        try:
+            for pid in self.gpu_pids():  # the stand-in checks each pid's create time
+                self._remember(pid)
+        except Exception:
+            pass  # no device file: the sim never got that far
+        for pid, create_time in self.known.items():
+            try:
+                process = psutil.Process(pid)
+                # Only a process this test started: the pid and its start time both match.
+                if abs(process.create_time() - create_time) < 0.05:
+                    process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if self.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(5)

@@ -1,0 +1,221 @@
+"""One test per row of DESIGN.md section 7's fault table: what the server does (no watchdog)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.sim.sim_helpers import CONFIGS, Sim, wait_until
+
+pytestmark = pytest.mark.e2e
+
+BOTH = pytest.mark.parametrize("generation", ["0.11", "0.30"])
+MIB = 1024**2
+
+
+def start(sim: Sim, generation: str, *args: str, **options: Any) -> Sim:
+    config = str(CONFIGS[generation])
+    return sim.start("--model-generation", generation, "--stage-config", config, *args, **options)
+
+
+def unchanged_for(seconds: float, read: object) -> None:
+    """`read()` gives the same value over `seconds` (sampled a few times)."""
+    assert callable(read)
+    first = read()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert read() == first
+        time.sleep(seconds / 4)
+
+
+def test_engine_dead_hang_starves_the_api_and_ignores_sigint_and_sigterm(sim: Sim) -> None:
+    start(sim, "0.11", "--fault", "1:engine-dead-hang")
+    state = sim.state()
+    talker_engine = state["stages"][1]["engine_pid"]
+    held_before = sim.used_bytes()
+    assert sim.chat(timeout=1.0).status == 0  # times out: no answer, no error
+    assert [e["kind"] for e in sim.events()] == ["engine-dead-hang"]
+    assert sim.events()[0]["pid"] == talker_engine
+    assert "'XBLOCK' too large. Maximum: 4096. Actual: 8192" in sim.output()
+    assert "EngineDeadError" in sim.output()
+    assert (
+        not psutil.pid_exists(talker_engine) or psutil.Process(talker_engine).status() == "zombie"
+    )
+    assert sim.get("/health", timeout=0.5).status == 0
+    api = psutil.Process(sim.pid)
+    api.send_signal(signal.SIGINT)
+    api.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert api.is_running() and api.status() != "zombie"
+    assert sim.get("/health", timeout=0.3).status == 0
+    survivors = {p.pid for p in sim.group()}
+    assert {s["pid"] for s in state["stages"]} <= survivors
+    # The engine's share of the talker is gone with it; every other holder keeps its memory.
+    assert sim.used_bytes() == held_before - int(0.7 * 24 * 1024**3)
+    os.killpg(sim.pid, signal.SIGKILL)
+    wait_until(lambda: not sim.group(), 3)
+    wait_until(lambda: sim.used_bytes() == 0, 3)
+
+
+def test_stage_dead_503_evicts_replicas_then_answers_503_and_still_shuts_down(sim: Sim) -> None:
+    start(sim, "0.30", "--fault", "1.0:stage-dead-503")
+    replica0, replica1 = sim.stage(1, 0), sim.stage(1, 1)
+    began = time.monotonic()
+    assert sim.chat().status == 500  # the request on the dying replica fails quickly
+    assert time.monotonic() - began < 3
+    wait_until(lambda: not sim.stage(1, 0)["alive"], 3)
+    assert not psutil.pid_exists(replica0["pid"])
+    assert sim.get("/health").status == 200  # replica 1 still serves the stage
+    assert sim.chat().status == 200
+    sim.inject("stage-dead-503", stage=1, replica=1)
+    assert sim.chat().status == 500
+    wait_until(lambda: sim.get("/health").status == 503, 3)
+    assert sim.metric("vllm_omni:requests_failed_total", reason="stage_error") >= 2
+    assert not psutil.pid_exists(replica1["pid"])
+    assert sim.gpu_pids() == {sim.stage(0)["pid"], sim.stage(2)["pid"]}
+    began = time.monotonic()
+    assert sim.chat().status == 500
+    assert time.monotonic() - began < 1
+    psutil.Process(sim.pid).send_signal(signal.SIGTERM)
+    assert sim.wait_exit(8) == 0
+    wait_until(lambda: not sim.group(), 3)
+
+
+@BOTH
+def test_silent_stall_keeps_health_200_with_flat_counters(sim: Sim, generation: str) -> None:
+    start(sim, generation, "--fault", "1:silent-stall")
+    assert sim.chat(timeout=1.0).status == 0
+    assert sim.events()[0]["pid"] == sim.stage(1)["pid"]
+    assert sim.get("/health").status == 200
+    assert sim.metric("vllm:num_requests_running", stage="1", replica="0") == 1
+    assert sim.metric("vllm:generation_tokens_total", stage="0") == 8
+    unchanged_for(0.6, lambda: sim.metric("vllm:generation_tokens_total", stage="1"))
+    assert sim.metric("vllm:generation_tokens_total", stage="1") == 0
+
+
+@BOTH
+def test_ignore_sigterm_leaves_sigkill_as_the_way_out(sim: Sim, generation: str) -> None:
+    start(sim, generation, "--fault", "ignore-sigterm", env={"OMNI_WATCHDOG_ADMIN_TOKEN": "t"})
+    api = psutil.Process(sim.pid)
+    api.send_signal(signal.SIGTERM)
+    answer = sim.request("POST", "/admin/shutdown", {}, headers={"Authorization": "Bearer t"})
+    assert answer.status == 202
+    time.sleep(0.8)
+    assert sim.get("/health").status == 200
+    assert sim.chat().status == 200
+    os.killpg(sim.pid, signal.SIGKILL)
+    assert sim.wait_exit(3) == -signal.SIGKILL
+
+
+@BOTH
+def test_escaped_child_leaves_the_group_and_holds_memory(sim: Sim, generation: str) -> None:
+    start(sim, generation)
+    sim.inject("escaped-child", stage=1)
+    child = wait_until(lambda: sim.stage(1)["children"], 5)[0]
+    assert child["kind"] == "escaped-child"
+    wait_until(lambda: child["pid"] in sim.gpu_pids(), 5)
+    escaped = psutil.Process(child["pid"])
+    assert escaped.ppid() == sim.stage(1)["pid"]
+    assert os.getsid(escaped.pid) == escaped.pid != os.getsid(sim.pid)
+    os.killpg(sim.pid, signal.SIGKILL)
+    wait_until(lambda: not sim.group(), 3)
+    assert escaped.is_running()
+    wait_until(lambda: sim.gpu_pids() == {escaped.pid}, 3)
+    assert sim.used_bytes() == 512 * MIB
+
+
+@BOTH
+def test_orphaned_stages(sim: Sim, generation: str) -> None:
+    start(sim, generation)
+    stages = sim.state()["stages"]
+    held = sim.used_bytes()
+    sim.inject("orphaned-stages")
+    assert sim.wait_exit(3) == -signal.SIGKILL
+    assert sim.events()[0]["pid"] == sim.pid
+    if generation == "0.11":
+        time.sleep(0.5)
+        for stage in stages:
+            worker = psutil.Process(stage["pid"])
+            assert worker.is_running() and worker.ppid() != sim.pid  # re-parented
+            assert psutil.Process(stage["engine_pid"]).ppid() == worker.pid
+        assert sim.used_bytes() == held
+    else:
+        # The parent-death signal ends every replica.
+        wait_until(lambda: not any(psutil.pid_exists(s["pid"]) for s in stages), 3)
+        wait_until(lambda: sim.used_bytes() == 0, 3)
+
+
+@BOTH
+def test_slow_but_alive_is_ten_times_slower_with_tokens_flowing(sim: Sim, generation: str) -> None:
+    start(sim, generation, "--fault", "1:slow-but-alive", "--token-delay", "0.02")
+    tokens = lambda: sim.metric("vllm:generation_tokens_total", stage="1", replica="0")  # noqa: E731
+    answers: list[int] = []
+    began = time.monotonic()
+    request = threading.Thread(target=lambda: answers.append(sim.chat(timeout=10).status))
+    request.start()
+    try:
+        wait_until(lambda: tokens() >= 1, 5)
+        first = tokens()
+        wait_until(lambda: tokens() > first, 3)  # still flowing, just slowly
+        assert sim.get("/health").status == 200
+    finally:
+        request.join(15)
+    assert answers == [200]
+    assert time.monotonic() - began >= 8 * 0.02 * 10  # stage 1's 8 tokens at 10 x the delay
+    assert tokens() == 8
+    assert [e["kind"] for e in sim.events()] == ["slow-but-alive"]
+
+
+@BOTH
+def test_slow_startup_holds_memory_before_health_answers(sim: Sim, generation: str) -> None:
+    start(sim, generation, "--fault", "slow-startup", "--startup-seconds", "2.5", wait=False)
+    wait_until(sim.events, 10)  # every stage is up and holds its memory
+    assert [e["kind"] for e in sim.events()] == ["slow-startup"]
+    assert sim.used_bytes() > 0
+    assert sim.get("/health", timeout=0.3).status == 0  # the connection waits: a timeout
+    wait_until(lambda: sim.get("/health", timeout=0.5).status == 200, 10)
+
+
+@BOTH
+def test_zombie_child_is_never_reaped_and_holds_nothing(sim: Sim, generation: str) -> None:
+    start(sim, generation)
+    sim.inject("zombie", stage=2)
+    child = wait_until(lambda: sim.stage(2)["children"], 5)[0]
+    zombie = psutil.Process(child["pid"])
+    wait_until(lambda: zombie.status() == psutil.STATUS_ZOMBIE, 5)
+    assert zombie.ppid() == sim.stage(2)["pid"]
+    assert child["pid"] not in sim.gpu_pids()
+    time.sleep(0.3)
+    assert zombie.status() == psutil.STATUS_ZOMBIE
+
+
+@BOTH
+def test_engine_dead_exit_answers_503_then_exits_0_with_nothing_left(
+    sim: Sim, generation: str
+) -> None:
+    start(sim, generation, "--fault", "1:engine-dead-exit")
+    began = time.monotonic()
+    assert sim.chat().status == 500
+    assert sim.get("/health").status == 503
+    assert sim.wait_exit(6) == 0
+    assert 0.8 < time.monotonic() - began < 4  # about a second of 503 first
+    wait_until(lambda: not sim.group(), 3)
+    assert sim.used_bytes() == 0
+
+
+@BOTH
+def test_frozen_engine_stops_itself_with_health_200(sim: Sim, generation: str) -> None:
+    start(sim, generation, "--fault", "1:frozen-engine")
+    engine = sim.stage(1)["engine_pid"] or sim.stage(1)["pid"]
+    assert sim.chat(timeout=1.0).status == 0
+    assert psutil.Process(engine).status() == psutil.STATUS_STOPPED
+    assert sim.events()[0]["pid"] == engine
+    assert sim.get("/health").status == 200
+    assert sim.metric("vllm:num_requests_running", stage="1") == 1
+    unchanged_for(0.5, lambda: sim.metric("vllm:generation_tokens_total", stage="1"))
