@@ -4,8 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+.DEFAULT_GOAL := test
 
-.PHONY: demo test lint unit e2e bench clean
+.PHONY: demo test lint bench clean tools
+
+# Tools the tests need beyond Python packages: promtool and prometheus (make/prometheus.mk),
+# and the CPU build of vLLM in its own environment for the real-server tests (make/vllm.mk).
+-include make/*.mk
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check omni_watchdog tests benchmarks
 	$(BIN)/mypy omni_watchdog
 
-test: lint
+test: lint tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -29,3 +34,5 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+tools:

@@ -144,6 +144,11 @@ class LadderConfig:
         ["capture", "shutdown", "terminate", "kill", "verify"], "Steps, in order."
     )
     capture_timeout: float = _duration(5.0, "Bound on capturing stacks and snapshots.")
+    self_exit_grace: float = _duration(
+        5.0,
+        "When the server itself answers 503, wait this long for it to exit on its own"
+        " (vLLM exits about 3 s after its engine dies) before asking it to.",
+    )
     admin_url: str = _setting(
         "", "Shutdown endpoint; empty means the target URL + /admin/shutdown."
     )
@@ -265,11 +270,12 @@ def _build(cls: type[Section], values: Mapping[str, Any], origin: str, prefix: s
     return cls(**converted)
 
 
-def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+def merge_layers(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` on top of `base`, section by section."""
     merged = dict(base)
     for key, value in override.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(dict(merged[key]), value)
+            merged[key] = merge_layers(dict(merged[key]), value)
         else:
             merged[key] = value
     return merged
@@ -326,8 +332,8 @@ def load_config(
     merged: dict[str, Any] = {}
     for origin, layer in layers:
         # Validate each layer alone so an error names the layer it came from.
-        _build(WatchdogConfig, _merge(merged, layer), origin, "")
-        merged = _merge(merged, layer)
+        _build(WatchdogConfig, merge_layers(merged, layer), origin, "")
+        merged = merge_layers(merged, layer)
     config = _build(WatchdogConfig, merged, "configuration", "")
     _validate(config)
     return config

@@ -17,15 +17,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 
-from omni_watchdog.config import WatchdogConfig, load_config
+from omni_watchdog.config import WatchdogConfig, load_config, merge_layers
 from omni_watchdog.types import Incident, IncidentOutcome, StepOutcome
 
 REPORT_REQUEST: dict[str, Any] = {
@@ -53,7 +54,7 @@ def free_port() -> int:
 
 
 @dataclass
-class SimServer:
+class SimProcess:
     """A simulated server this process started, in its own session and process group."""
 
     port: int
@@ -72,7 +73,7 @@ class SimServer:
         env: Mapping[str, str] | None = None,
         extra_args: list[str] | None = None,
         port: int | None = None,
-    ) -> SimServer:
+    ) -> SimProcess:
         port = port or free_port()
         state_dir = workdir / "sim-state"
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -117,11 +118,28 @@ class SimServer:
         fired = [e["time"] for e in self.events() if e.get("event") == "fault_triggered"]
         return min(fired) if fired else None
 
+    def leftover_pids(self) -> list[int]:
+        """Live processes of this server, escaped ones included: they carry its state dir."""
+        found = []
+        for process in psutil.process_iter(["pid", "environ", "status"]):
+            with contextlib.suppress(psutil.Error):
+                environ = process.info["environ"] or {}
+                if (
+                    environ.get("OMNI_WATCHDOG_SIM_STATE") == str(self.state_dir)
+                    and process.info["status"] != psutil.STATUS_ZOMBIE
+                    and process.pid != os.getpid()
+                ):
+                    found.append(process.pid)
+        return found
+
     def stop(self) -> None:
-        """End whatever is left of the server this process started (its whole group)."""
+        """End whatever is left of the server this process started, escaped children too."""
         # The server runs in a session of its own, so its group holds only its processes.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in self.leftover_pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=5)
 
@@ -139,20 +157,27 @@ async def wait_for(predicate: Callable[[], Any], timeout: float, interval: float
 
 
 def demo_config(
-    workdir: Path, target: str, stage_config: Path, mode: str = "enforce"
+    workdir: Path,
+    target: str,
+    stage_config: Path,
+    mode: str = "enforce",
+    overrides: Mapping[str, Any] | None = None,
 ) -> WatchdogConfig:
     return load_config(
         environ={},
-        overrides={
-            "target": target,
-            "stage_config": str(stage_config),
-            "mode": mode,
-            "listen": "127.0.0.1:0",
-            "state_dir": str(workdir / "watchdog"),
-            "admin_token": "demo-token",
-            "spans": {"otlp_listen": "127.0.0.1:0"},
-            "probes": {"gpu_backend": "sim"},
-        },
+        overrides=merge_layers(
+            {
+                "target": target,
+                "stage_config": str(stage_config),
+                "mode": mode,
+                "listen": "127.0.0.1:0",
+                "state_dir": str(workdir / "watchdog"),
+                "admin_token": "demo-token",
+                "spans": {"otlp_listen": "127.0.0.1:0"},
+                "probes": {"gpu_backend": "sim"},
+            },
+            overrides or {},
+        ),
     )
 
 
@@ -222,6 +247,44 @@ def summary(incident: Incident, fault_time: float | None) -> dict[str, Any]:
     }
 
 
+@contextlib.asynccontextmanager
+async def attached(
+    workdir: Path,
+    faults: list[str],
+    generation: str = "0.11",
+    mode: str = "enforce",
+    overrides: Mapping[str, Any] | None = None,
+    sim_args: list[str] | None = None,
+    sim_env: Mapping[str, str] | None = None,
+    stage_config: Path | None = None,
+) -> AsyncIterator[tuple[Any, SimProcess]]:
+    """A watchdog attached to a simulated server this process started; both end on exit."""
+    from omni_watchdog.app import Watchdog
+    from omni_watchdog.clock import SystemClock
+
+    state_dir = workdir / "sim-state"
+    # The watchdog's NVML stand-in reads the simulated devices from the same directory.
+    os.environ["OMNI_WATCHDOG_SIM_STATE"] = str(state_dir)
+    port = free_port()
+    stage_config = stage_config or example_config(generation)
+    config = demo_config(workdir, f"http://127.0.0.1:{port}", stage_config, mode, overrides)
+    watchdog = Watchdog(config, SystemClock())
+    await watchdog.start()
+    env = {
+        "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{watchdog.otlp_port}/v1/traces",
+        "OMNI_WATCHDOG_ADMIN_TOKEN": config.admin_token,
+        **(sim_env or {}),
+    }
+    server = SimProcess.start(
+        workdir, faults, generation, stage_config, env=env, port=port, extra_args=sim_args
+    )
+    try:
+        yield watchdog, server
+    finally:
+        await watchdog.stop()
+        server.stop()
+
+
 async def run_scenario(
     workdir: Path,
     faults: list[str],
@@ -231,23 +294,7 @@ async def run_scenario(
     timeout: float = 90.0,
 ) -> tuple[Incident | None, float | None]:
     """Sim + watchdog + the report's request; the first closed incident and the fault time."""
-    from omni_watchdog.app import Watchdog
-    from omni_watchdog.clock import SystemClock
-
-    state_dir = workdir / "sim-state"
-    # The watchdog's NVML stand-in reads the simulated devices from the same directory.
-    os.environ["OMNI_WATCHDOG_SIM_STATE"] = str(state_dir)
-    port = free_port()
-    stage_config = example_config(generation)
-    config = demo_config(workdir, f"http://127.0.0.1:{port}", stage_config, mode)
-    watchdog = Watchdog(config, SystemClock())
-    await watchdog.start()
-    env = {
-        "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{watchdog.otlp_port}/v1/traces",
-        "OMNI_WATCHDOG_ADMIN_TOKEN": "demo-token",
-    }
-    server = SimServer.start(workdir, faults, generation, stage_config, env=env, port=port)
-    try:
+    async with attached(workdir, faults, generation, mode) as (watchdog, server):
         say(
             f"simulated vLLM-Omni {generation} server starting on {server.url}"
             f" (faults: {', '.join(faults)})"
@@ -259,22 +306,19 @@ async def run_scenario(
             f" {len(watchdog.tracker.live())} processes, mode {mode}"
         )
         say("sending the report's request (POST /v1/chat/completions)")
-        request = asyncio.create_task(_send_request(server.url))
-        incident = await wait_for(lambda: _closed_incident(watchdog), timeout)
+        request = asyncio.create_task(send_request(server.url))
+        incident = await wait_for(lambda: closed_incident(watchdog), timeout)
         request.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await request
         return incident, server.fault_time()
-    finally:
-        await watchdog.stop()
-        server.stop()
 
 
-def _closed_incident(watchdog: Any) -> Incident | None:
+def closed_incident(watchdog: Any) -> Incident | None:
     return next((i for i in watchdog.policy.incidents() if i.closed is not None), None)
 
 
-async def _send_request(url: str) -> None:
+async def send_request(url: str) -> None:
     async with aiohttp.ClientSession() as session:
         with contextlib.suppress(Exception):
             async with session.post(

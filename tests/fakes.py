@@ -37,7 +37,7 @@ class FakePsutil:
         self.table[pid] = FakeProcess(pid, create_time, pgid, ignores or set())
         return self.table[pid]
 
-    def Process(self, pid: int) -> Any:  # noqa: N802 - psutil's name
+    def Process(self, pid: int) -> Any:
         if pid not in self.table:
             raise NoSuchProcess(pid)
         entry = self.table[pid]

@@ -101,6 +101,7 @@ class Detector:
             ref: _StageMemory(since=start) for ref in topology.refs()
         }
         self._pending = PendingRequests()
+        self._pid_stage: dict[int, StageRef] = {}
         self._first_healthy: float | None = None
         self._health_failures = 0
         self._health_failed_since = 0.0
@@ -201,11 +202,20 @@ class Detector:
         exited = obs.outcome == ProcessStatus.EXITED.value
         if info.role is ProcessRole.API and not info.orphaned:
             self._root = info
-            if exited and self._root_exited_at is None:
+            # An unreaped server is as gone as a reaped one: it holds nothing and serves nothing.
+            gone = exited or info.status is ProcessStatus.ZOMBIE
+            if gone and self._root_exited_at is None:
                 self._root_exited_at = obs.time
+        previous = self._pid_stage.get(info.pid)
+        if previous is not None and previous != info.stage:
+            # Mapped by spawn order first, by title or spans later: the later map wins.
+            self._stages[previous].processes.pop(info.pid, None)
         memory = self._memory(info.stage)
         if memory is None:
+            self._pid_stage.pop(info.pid, None)
             return
+        assert info.stage is not None
+        self._pid_stage[info.pid] = info.stage
         known = memory.processes.get(info.pid)
         if known is None or known.info.create_time != info.create_time:
             known = _ProcessMemory(info, obs.time, obs.time)
@@ -427,7 +437,13 @@ class Detector:
                     )
                     return found
         if live and self._load(memory, now) > 0 and memory.load_positive_since is not None:
-            busy_from = max(max(p.cpu_changed_at for p in live), memory.load_positive_since)
+            # Quiet CPUs alone are normal for a stage waiting on its device or its queue;
+            # together with counters that do not move either, nothing is running.
+            busy_from = max(
+                max(p.cpu_changed_at for p in live),
+                memory.load_positive_since,
+                memory.progress_changed_at or 0.0,
+            )
             if now - busy_from > config.stuck_timeout:
                 found.append(
                     Evidence(

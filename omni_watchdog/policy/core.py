@@ -31,7 +31,6 @@ from omni_watchdog.types import (
     ProcessIdentity,
     StepName,
     StepOutcome,
-    StepResult,
     Verdict,
 )
 
@@ -124,14 +123,10 @@ class Policy:
             cause += f", leaving {len(orphans)} orphaned process(es)"
         if exit_.reasons:
             cause += ": " + "; ".join(exit_.reasons[-4:])
-        return self._open(cause, (), target, exited=True)
+        return self._open(cause, (), target)
 
     def _open(
-        self,
-        cause: str,
-        verdicts: tuple[Verdict, ...],
-        target: TargetSnapshot,
-        exited: bool = False,
+        self, cause: str, verdicts: tuple[Verdict, ...], target: TargetSnapshot
     ) -> asyncio.Task[Incident]:
         wall = self._clock.wall()
         mode = self.mode
@@ -164,12 +159,6 @@ class Policy:
             bundle_dir=str(self._bundles.directory(incident_id)),
             timeline=timeline,
         )
-        if exited:
-            # The server is gone: there is nobody to ask for a shutdown.
-            skipped = StepResult(
-                StepName.SHUTDOWN, StepOutcome.SKIPPED, wall, 0.0, "the server exited by itself"
-            )
-            incident = dataclasses.replace(incident, steps=(skipped,))
         log_event(logger, "incident_opened", id=incident_id, mode=mode.value, cause=incident.cause)
         self._task_for(incident, target)
         assert self._current is not None

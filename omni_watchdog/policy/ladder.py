@@ -73,6 +73,7 @@ class TargetSnapshot:
     root: ProcessIdentity | None
     processes: tuple[ProcessInfo, ...]
     gpu_baseline: Mapping[int, float] | None
+    server_reports_failure: bool = False
 
     @property
     def identities(self) -> tuple[ProcessIdentity, ...]:
@@ -204,6 +205,12 @@ class LadderRunner:
             return StepOutcome.SKIPPED, "no recorded process is alive"
         if snapshot.root is None or not self._alive(snapshot.root):
             return StepOutcome.SKIPPED, "the server process is gone; nothing to ask"
+        if snapshot.server_reports_failure:
+            grace = self._config.self_exit_grace
+            if await self._wait_exit(snapshot.root, grace):
+                return StepOutcome.SKIPPED, (
+                    f"the server answered 503 and exited by itself within {grace:g}s"
+                )
         answer = await self._actuators.request_shutdown(
             self._admin_url,
             self._config.admin_method,
@@ -314,6 +321,14 @@ class LadderRunner:
 
     def _survivors(self, snapshot: TargetSnapshot) -> list[ProcessInfo]:
         return [p for p in snapshot.processes if self._alive(p.identity)]
+
+    async def _wait_exit(self, identity: ProcessIdentity, grace: float) -> bool:
+        deadline = self._clock.monotonic() + grace
+        while self._alive(identity):
+            if self._clock.monotonic() >= deadline:
+                return False
+            await self._sleep(_POLL)
+        return True
 
     async def _wait_gone(self, snapshot: TargetSnapshot, grace: float) -> bool:
         deadline = self._clock.monotonic() + grace

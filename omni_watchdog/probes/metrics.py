@@ -193,10 +193,12 @@ class MetricsProbe:
                 stage_waiting[stage] = stage_waiting.get(stage, 0.0) + sample.value
         self._last_counter = counters
         self._progress = progress
-        # stage_waiting_requests sums the waiting queues of a stage's replicas, which the
-        # engines' own gauges already count: take the larger rather than count twice.
-        load = {
-            stage: max(engine_load.get(stage, 0.0), stage_waiting.get(stage, 0.0))
-            for stage in engine_load.keys() | stage_waiting.keys()
-        }
+        # stage_waiting_requests sums the waiting queues of all of a stage's replicas, which
+        # the engines' own per-replica gauges already count; it has no replica label, so it
+        # only stands in for a stage whose engines report nothing themselves.
+        reported = {stage.stage_id for stage in engine_load}
+        load = dict(engine_load)
+        for stage, waiting in stage_waiting.items():
+            if stage.stage_id not in reported:
+                load[stage] = waiting
         return {stage: progress[stage] for stage in seen_progress}, load

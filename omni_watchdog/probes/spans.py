@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
-from google.rpc import status_pb2  # type: ignore[import-untyped]
+from google.rpc import status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,

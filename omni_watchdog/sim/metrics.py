@@ -117,15 +117,15 @@ class SimMetrics:
     def _labels(self, stage: int, replica: int) -> tuple[str, str, str, str]:
         return (self._model, ENGINE, str(stage), str(replica))
 
-    def queued(self, stage: int, replica: int, prompt_tokens: int) -> None:
+    def queued(self, stage: int, replica: int) -> None:
         """A request was handed to a stage replica."""
         self.waiting.labels(*self._labels(stage, replica)).inc()
         self.stage_waiting.labels(self._model, str(stage)).inc()
         self.pipeline_waiting.labels(self._model).inc()
-        self.prompt_tokens.labels(*self._labels(stage, replica)).inc(prompt_tokens)
 
-    def started(self, stage: int, replica: int) -> None:
-        """The stage replica began working on a request it had queued."""
+    def started(self, stage: int, replica: int, prompt_tokens: int) -> None:
+        """The stage replica began working on a request: like vLLM, prefill counts then."""
+        self.prompt_tokens.labels(*self._labels(stage, replica)).inc(prompt_tokens)
         self.waiting.labels(*self._labels(stage, replica)).dec()
         self.stage_waiting.labels(self._model, str(stage)).dec()
         self.pipeline_waiting.labels(self._model).dec()

@@ -34,7 +34,7 @@ DRAIN_POLL_S = 0.1
 LIVENESS_POLL_S = 0.05
 STOP_TIMEOUT_S = 3.0
 # vLLM's API server exits about this long after its engine dies (503 in between).
-FATAL_EXIT_DELAY_S = 1.0
+FATAL_EXIT_DELAY_S = 3.0
 # vLLM-Omni 0.11's orchestrator poll interval, slept with time.sleep on the event loop.
 BLOCKING_POLL_S = 0.005
 
@@ -49,6 +49,7 @@ class PendingStage:
 
     request_id: str
     changed: asyncio.Event
+    prompt_tokens: int = 0
     running: bool = False
     result: Message | None = None
     error: str | None = None
@@ -171,7 +172,7 @@ class Orchestrator:
             return
         if kind == "started":
             pending.running = True
-            self._metrics.started(stage, index)
+            self._metrics.started(stage, index, pending.prompt_tokens)
         elif kind == "token":
             self._metrics.token(stage, index)
         elif kind == "done":
@@ -248,9 +249,9 @@ class Orchestrator:
         first: Message | None = None
         for stage_id in path:
             replica = self._choose(stage_id)
-            pending = PendingStage(request_id, asyncio.Event())
+            pending = PendingStage(request_id, asyncio.Event(), prompt_tokens)
             replica.inflight[request_id] = pending
-            self._metrics.queued(stage_id, replica.spec.replica, prompt_tokens)
+            self._metrics.queued(stage_id, replica.spec.replica)
             replica.in_q.put(
                 {
                     "type": "request",

@@ -172,9 +172,9 @@ SCENARIOS = [
         after(10, slows_down),
         40,
         S1,
-        StageState.DEGRADED,
+        StageState.HEALTHY,
         False,
-        {EvidenceKind.PROCESS_STUCK},
+        set(),
     ),
     (
         "frozen-engine, plain vLLM without plugin",

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from google.protobuf import json_format
-from google.rpc import status_pb2  # type: ignore[import-untyped]
+from google.rpc import status_pb2
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -1,0 +1,82 @@
+"""What the end-to-end tests share: fast settings and small waits on a watchdog."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from omni_watchdog.demo import closed_incident, send_request, wait_for
+from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
+
+FAST: dict[str, Any] = {
+    "detection": {
+        "heartbeat_timeout": "2s",
+        "progress_timeout": "3s",
+        "health_failures": 2,
+        "confirm_timeout": "6s",
+        "stuck_timeout": "1.5s",
+        "startup_grace": "1s",
+        "stale_after": "2s",
+    },
+    "probes": {
+        "interval": "0.25s",
+        "health_interval": "0.5s",
+        "health_timeout": "0.5s",
+        "metrics_interval": "0.5s",
+        "metrics_timeout": "1s",
+        "canary_interval": "2s",
+        "canary_deadline": "2s",
+    },
+    "ladder": {
+        "capture_timeout": "3s",
+        "admin_timeout": "0.5s",
+        "shutdown_grace": "3s",
+        "term_grace": "2s",
+        "kill_grace": "2s",
+        "release_timeout": "5s",
+        "self_exit_grace": "5s",
+    },
+}
+SIM_ENV = {"OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5"}
+RECOVERED = {
+    IncidentOutcome.RECOVERED_BY_SHUTDOWN,
+    IncidentOutcome.RECOVERED_BY_TERM,
+    IncidentOutcome.RECOVERED_BY_KILL,
+}
+
+
+async def warmed_up(watchdog: Any) -> None:
+    await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 30)
+
+
+def state(watchdog: Any, stage: StageRef) -> StageState | None:
+    report = watchdog.last_report
+    return next((s.state for s in report.statuses if s.stage == stage), None) if report else None
+
+
+async def incident_done(watchdog: Any, timeout: float = 40.0) -> Any:
+    return await wait_for(lambda: closed_incident(watchdog), timeout)
+
+
+def step(incident: Any, name: StepName) -> Any:
+    return next((s for s in incident.steps if s.step is name), None)
+
+
+def assert_released(incident: Any) -> None:
+    verify = step(incident, StepName.VERIFY)
+    assert verify is not None and verify.outcome is StepOutcome.OK, incident.steps
+    assert "back to baseline" in verify.detail
+
+
+def in_background(url: str, count: int = 1) -> list[asyncio.Task[None]]:
+    return [asyncio.get_running_loop().create_task(send_request(url)) for _ in range(count)]
+
+
+async def with_fault(server: Any, fault: dict[str, Any]) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(server.url + "/sim/faults", json=fault) as response,
+    ):
+        assert response.status in (200, 202), await response.text()

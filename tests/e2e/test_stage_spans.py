@@ -1,0 +1,71 @@
+"""The plugin in the simulated server: admitted, stage and heartbeat spans reach the watchdog,
+and a stage's heartbeats stop exactly when its loop blocks."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e.harness import FAST, SIM_ENV
+
+from omni_watchdog.demo import attached, send_request, wait_for
+from omni_watchdog.types import StageRef
+
+pytestmark = pytest.mark.e2e
+STAGES = (StageRef(0), StageRef(1), StageRef(2))
+
+
+def names(watchdog: Any, stage: StageRef | None) -> list[str]:
+    return [record.name for record in watchdog.store.recent(stage)]
+
+
+def test_report_request_produces_admitted_stage_and_heartbeat_spans(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with attached(tmp_path, [], "0.11", "observe", FAST, None, SIM_ENV) as (wd, srv):
+            await wait_for(lambda: all(wd.detector.last_heartbeat(s) for s in STAGES), 30)
+            await send_request(srv.url)
+            await wait_for(lambda: all("omni.stage.request" in names(wd, s) for s in STAGES), 10)
+            # The report's request and any canary: each went through all three stages.
+            admitted = [r for r in wd.store.recent(None) if r.name == "omni.request.admitted"]
+            assert admitted
+            for span in admitted:
+                assert span.attributes["omni.request.stage_path"] == [0, 1, 2]
+            for stage in STAGES:
+                spans = [r for r in wd.store.recent(stage) if r.name == "omni.stage.request"]
+                done = {r.request_id for r in spans}
+                assert {a.request_id for a in admitted} <= done | {admitted[-1].request_id}
+                assert all(r.status != "error" and r.duration > 0 for r in spans)
+                assert "omni.stage.loop" in names(wd, stage)
+            # The resource names the process, so the watchdog maps pids to stages from spans.
+            mapped = wd.store.pid_stages()
+            stage_pids = {p.pid: p.stage for p in wd.tracker.live() if p.role.value == "stage"}
+            assert {pid: stage for pid, (stage, _) in mapped.items() if pid in stage_pids} == (
+                stage_pids
+            )
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("fault", "blocked"), [("1:engine-dead-hang", StageRef(1)), ("0:silent-stall", StageRef(0))]
+)
+def test_heartbeats_of_a_blocked_stage_stop(tmp_path: Path, fault: str, blocked: StageRef) -> None:
+    async def scenario() -> None:
+        async with attached(tmp_path, [fault], "0.11", "observe", FAST, None, SIM_ENV) as (
+            wd,
+            srv,
+        ):
+            await wait_for(lambda: all(wd.detector.last_heartbeat(s) for s in STAGES), 30)
+            asyncio.get_running_loop().create_task(send_request(srv.url))
+            await wait_for(lambda: srv.fault_time(), 10)
+            await asyncio.sleep(0.5)  # spans already in flight may still land
+            stopped_at = wd.detector.last_heartbeat(blocked)
+            await asyncio.sleep(3)
+            assert wd.detector.last_heartbeat(blocked) == stopped_at
+            for other in set(STAGES) - {blocked}:
+                last = wd.detector.last_heartbeat(other)
+                assert last is not None and wd.clock.monotonic() - last < 1.5
+
+    asyncio.run(scenario())

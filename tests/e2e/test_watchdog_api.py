@@ -1,0 +1,124 @@
+"""The watchdog's JSON API and a plain single-stage server without the plugin."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from e2e.harness import FAST, SIM_ENV, with_fault
+
+from omni_watchdog.demo import attached, send_request, wait_for
+from omni_watchdog.types import EvidenceKind, StageRef, StageState
+
+pytestmark = pytest.mark.e2e
+STAGE_FIELDS = {
+    "stage_id",
+    "name",
+    "replica",
+    "state",
+    "since",
+    "evidence",
+    "pids",
+    "gpu_memory_bytes",
+}
+
+
+async def get(watchdog: Any, path: str) -> tuple[int, Any]:
+    url = f"http://127.0.0.1:{watchdog.api_port}{path}"
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        if response.content_type == "application/json":
+            return response.status, await response.json()
+        return response.status, await response.text()
+
+
+def test_status_target_health_and_incidents(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with attached(
+            tmp_path, ["0:silent-stall"], "0.30", "observe", FAST, None, SIM_ENV
+        ) as (watchdog, server):
+            await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 30)
+            await asyncio.sleep(1)
+            code, text = await get(watchdog, "/v1/target/health")
+            assert code == 200, text
+            code, status = await get(watchdog, "/v1/status")
+            assert code == 200
+            assert [(s["stage_id"], s["replica"]) for s in status["stages"]] == [
+                (ref.stage_id, ref.replica) for ref in watchdog.topology.refs()
+            ]
+            for stage in status["stages"]:
+                assert set(stage) >= STAGE_FIELDS
+                # A canary caught by a busy machine may show as slow for a moment: still live.
+                assert stage["state"] in ("healthy", "degraded"), stage["evidence"]
+                assert stage["pids"]
+                assert stage["gpu_memory_bytes"] > 0
+            assert status["target"]["pid"] == server.process.pid
+            assert {p["role"] for p in status["processes"]} >= {"api", "engine"}
+            assert status["probes"]["health"]["up"] is True
+
+            # Armed now, not at start: the canary is a request too and would fire it early.
+            await with_fault(server, {"kind": "silent-stall", "stage": 0})
+            asyncio.get_running_loop().create_task(send_request(server.url))
+            await wait_for(lambda: watchdog.policy.incidents(), 30)
+            code, text = await get(watchdog, "/v1/target/health")
+            assert code == 503 and "stage 0.0 (thinker) stalled" in text
+            code, status = await get(watchdog, "/v1/status")
+            stage0 = status["stages"][0]
+            assert stage0["state"] == "stalled"
+            assert {"heartbeat_lost", "progress_flat"} <= {e["kind"] for e in stage0["evidence"]}
+
+            incident = await wait_for(
+                lambda: next((i for i in watchdog.policy.incidents() if i.closed), None), 20
+            )
+            code, listing = await get(watchdog, "/v1/incidents")
+            assert [i["incident_id"] for i in listing["incidents"]] == [incident.incident_id]
+            assert listing["incidents"][0]["outcome"] == "observed"
+            code, detail = await get(watchdog, f"/v1/incidents/{incident.incident_id}")
+            assert code == 200 and detail["verdicts"][0]["stage"]["stage_id"] == 0
+            assert {"incident.json", "spans.json", "gpu.json", "metrics.txt"} <= set(
+                detail["files"]
+            )
+            assert any(f.startswith("stacks/") for f in detail["files"])
+            code, _ = await get(watchdog, "/v1/incidents/no-such-incident")
+            assert code == 404
+
+    asyncio.run(scenario())
+
+
+ONE_STAGE = """\
+stages:
+  - stage_id: 0
+    devices: "0"
+    gpu_memory_utilization: 0.5
+"""
+
+
+def test_plain_single_stage_server_without_the_plugin(tmp_path: Path) -> None:
+    """No spans at all: metrics, health, canary and processes have to be enough."""
+    config = tmp_path / "one-stage.yaml"
+    config.write_text(ONE_STAGE)
+
+    async def scenario() -> None:
+        async with attached(
+            tmp_path,
+            ["0:frozen-engine"],
+            "0.30",
+            "observe",
+            FAST,
+            None,
+            {**SIM_ENV, "OMNI_WATCHDOG_OTLP_ENDPOINT": ""},
+            config,
+        ) as (watchdog, server):
+            await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 30)
+            asyncio.get_running_loop().create_task(send_request(server.url))
+            incident = await wait_for(lambda: watchdog.policy.incidents(), 40)
+            verdict = incident[0].verdicts[0]
+            assert verdict.stage == StageRef(0) and verdict.state is StageState.STALLED
+            kinds = {e.kind for e in verdict.evidence}
+            assert EvidenceKind.PROCESS_STUCK in kinds
+            assert kinds.isdisjoint({EvidenceKind.HEARTBEAT_LOST, EvidenceKind.SPAN_OVERDUE})
+            assert watchdog.receiver.stats.spans_accepted == 0
+
+    asyncio.run(scenario())

@@ -1,0 +1,256 @@
+"""End to end: the watchdog against the simulated server, for every fault of the table.
+
+Real processes, short configured timeouts, polling with deadlines; every process a test
+started is gone at the end (the simulated server's state names them all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from e2e.harness import (
+    FAST,
+    RECOVERED,
+    SIM_ENV,
+    assert_released,
+    in_background,
+    incident_done,
+    state,
+    step,
+    warmed_up,
+    with_fault,
+)
+
+from omni_watchdog.demo import attached, wait_for
+from omni_watchdog.log import configure_logging
+from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
+
+pytestmark = pytest.mark.e2e
+
+
+def run(
+    tmp_path: Path,
+    faults: list[str],
+    generation: str,
+    body: Callable[[Any, Any], Awaitable[None]],
+    mode: str = "enforce",
+    sim_args: list[str] | None = None,
+    remediated: bool = True,
+) -> None:
+    configure_logging("debug", (tmp_path / "watchdog.log").open("a"))
+
+    async def scenario() -> list[int]:
+        async with attached(tmp_path, faults, generation, mode, FAST, sim_args, SIM_ENV) as (
+            watchdog,
+            server,
+        ):
+            await body(watchdog, server)
+            # What the watchdog left behind, before the test's own clean-up runs.
+            return server.leftover_pids() if remediated else []
+
+    leftovers = asyncio.run(scenario())
+    assert not leftovers, f"processes left running: {leftovers}"
+
+
+def test_engine_dead_hang_is_killed_and_memory_released(tmp_path: Path) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        in_background(server.url)
+        incident = await incident_done(watchdog)
+        # Starved /health and canary can confirm a stall a moment before the exit is seen.
+        assert incident.verdicts[0].stage == StageRef(1)
+        assert incident.verdicts[0].state in (StageState.STALLED, StageState.DEAD)
+        assert step(incident, StepName.SHUTDOWN).outcome in (
+            StepOutcome.TIMEOUT,
+            StepOutcome.UNREACHABLE,
+        )
+        assert step(incident, StepName.TERMINATE).outcome is StepOutcome.NOT_RECOVERED
+        assert step(incident, StepName.KILL).outcome is StepOutcome.RECOVERED
+        assert incident.outcome is IncidentOutcome.RECOVERED_BY_KILL
+        assert_released(incident)
+        stacks = list((Path(incident.bundle_dir) / "stacks").glob("*.txt"))
+        assert any("_stage_worker_async" in p.read_text() for p in stacks)
+
+    run(tmp_path, ["1:engine-dead-hang"], "0.11", body)
+
+
+def test_stage_dead_503_shuts_down_gracefully(tmp_path: Path) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        in_background(server.url)
+        incident = await incident_done(watchdog)
+        assert {v.stage.stage_id for v in incident.verdicts} == {1}
+        assert incident.verdicts[0].state is StageState.DEAD
+        assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN
+        assert_released(incident)
+
+    run(tmp_path, ["1.0:stage-dead-503", "1.1:stage-dead-503"], "0.30", body)
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_silent_stall_is_detected_from_spans_and_counters(tmp_path: Path, generation: str) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        in_background(server.url)
+        incident = await incident_done(watchdog)
+        verdict = incident.verdicts[0]
+        assert verdict.stage.stage_id == 0 and verdict.state is StageState.STALLED
+        kinds = {e.kind.value for e in verdict.evidence}
+        assert "heartbeat_lost" in kinds
+        assert incident.outcome in RECOVERED
+        assert_released(incident)
+
+    run(tmp_path, ["0:silent-stall"], generation, body)
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_ignored_sigterm_escalates_to_sigkill(tmp_path: Path, generation: str) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        in_background(server.url)
+        incident = await incident_done(watchdog)
+        assert step(incident, StepName.TERMINATE).outcome is StepOutcome.NOT_RECOVERED
+        assert incident.outcome is IncidentOutcome.RECOVERED_BY_KILL
+        assert_released(incident)
+
+    run(tmp_path, ["ignore-sigterm", "0:silent-stall"], generation, body)
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_escaped_child_is_found_and_killed(tmp_path: Path, generation: str) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        await wait_for(
+            lambda: any(p.sid != watchdog.tracker.root.sid for p in watchdog.tracker.live()), 10
+        )
+        escaped = [p for p in watchdog.tracker.live() if p.sid != watchdog.tracker.root.sid]
+        in_background(server.url)
+        incident = await incident_done(watchdog)
+        assert incident.outcome in RECOVERED
+        assert_released(incident)
+        assert not any(psutil.pid_exists(p.pid) and _not_zombie(p.pid) for p in escaped)
+
+    run(tmp_path, ["1:escaped-child", "ignore-sigterm", "0:silent-stall"], generation, body)
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_orphaned_stages_are_cleaned_up(tmp_path: Path, generation: str) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        await with_fault(server, {"kind": "orphaned-stages"})
+        if generation == "0.11":
+            incident = await incident_done(watchdog)
+            assert "orphaned" in incident.cause
+            assert incident.outcome in RECOVERED
+            assert_released(incident)
+        else:
+            # The parent-death signal takes the stages down with the server.
+            await wait_for(lambda: not server.leftover_pids(), 10)
+            assert not [i for i in watchdog.policy.incidents() if i.outcome in RECOVERED]
+
+    run(tmp_path, [], generation, body)
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_slow_but_alive_is_never_remediated(tmp_path: Path, generation: str) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        seen: set[StageState] = set()
+        deadline = asyncio.get_running_loop().time() + 20
+        while asyncio.get_running_loop().time() < deadline:
+            if len(asyncio.all_tasks()) < 6:
+                in_background(server.url, 2)
+            seen.add(state(watchdog, StageRef(1)))
+            await asyncio.sleep(0.25)
+        assert not watchdog.policy.incidents()
+        assert seen <= {StageState.HEALTHY, StageState.DEGRADED}
+
+    run(
+        tmp_path,
+        ["1:slow-but-alive"],
+        generation,
+        body,
+        sim_args=["--max-tokens-cap", "16"],
+        remediated=False,
+    )
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_slow_startup_is_never_judged(tmp_path: Path, generation: str) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await wait_for(lambda: watchdog.tracker.target_alive, 15)
+        for _ in range(40):
+            assert watchdog.last_report is None or not watchdog.last_report.verdicts
+            assert all(s.state is StageState.STARTING for s in watchdog.last_report.statuses)
+            await asyncio.sleep(0.25)
+        assert not watchdog.policy.incidents()
+        await warmed_up(watchdog)
+        assert not watchdog.policy.incidents()
+
+    run(
+        tmp_path,
+        ["slow-startup"],
+        generation,
+        body,
+        sim_args=["--startup-seconds", "12"],
+        remediated=False,
+    )
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_zombie_is_reported_not_remediated(tmp_path: Path, generation: str) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        zombies = await wait_for(
+            lambda: [p for p in watchdog.tracker.live() if p.status.value == "zombie"], 10
+        )
+        assert len(zombies) == 1
+        await asyncio.sleep(3)
+        assert not watchdog.policy.incidents()
+        assert all(s.state is StageState.HEALTHY for s in watchdog.last_report.statuses)
+
+    run(tmp_path, ["1:zombie"], generation, body, remediated=False)
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_engine_dead_exit_is_a_crash_not_a_clean_stop(tmp_path: Path, generation: str) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        in_background(server.url)
+        await wait_for(lambda: server.process.poll() is not None, 20)
+        assert server.process.returncode == 0
+        incident = await incident_done(watchdog)
+        assert incident.outcome is IncidentOutcome.CRASHED
+        assert not any(s.outcome is StepOutcome.RECOVERED for s in incident.steps)
+        assert_released(incident)
+
+    run(tmp_path, ["1:engine-dead-exit"], generation, body, mode="enforce")
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_frozen_engine_is_detected_from_canary_and_process_state(
+    tmp_path: Path, generation: str
+) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        in_background(server.url)
+        incident = await incident_done(watchdog)
+        verdict = incident.verdicts[0]
+        assert verdict.stage.stage_id == 1 and verdict.state is StageState.STALLED
+        assert "process_stuck" in {e.kind.value for e in verdict.evidence}
+        assert incident.outcome in RECOVERED
+        assert_released(incident)
+
+    run(tmp_path, ["1:frozen-engine"], generation, body)
