@@ -22,8 +22,8 @@ demo: $(STAMP)
 	$(BIN)/omni-watchdog demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check omni_watchdog tests benchmarks
-	$(BIN)/ruff format --check omni_watchdog tests benchmarks
+	$(BIN)/ruff check omni_watchdog tests benchmarks dashboards scripts
+	$(BIN)/ruff format --check omni_watchdog tests benchmarks dashboards scripts
 	$(BIN)/mypy omni_watchdog
 
 test: lint tools

@@ -22,6 +22,8 @@ from aiohttp import web
 
 from omni_watchdog.config import WatchdogConfig, split_host_port
 from omni_watchdog.detector import Detector, DetectorReport
+from omni_watchdog.exporters.prometheus import MetricsExposition, WatchdogStats
+from omni_watchdog.exporters.traces import IncidentTraces
 from omni_watchdog.log import log_event
 from omni_watchdog.policy.actuators import Actuators, SignalGuard, is_alive
 from omni_watchdog.policy.capture import Capturer, find_py_spy
@@ -49,6 +51,7 @@ from omni_watchdog.probes.spans import SpanForwarder, SpanReceiver
 from omni_watchdog.topology import default_topology, load_topology
 from omni_watchdog.types import (
     Clock,
+    HealthOutcome,
     Observation,
     ObservationKind,
     ProcessIdentity,
@@ -114,6 +117,9 @@ class Watchdog:
         self.last_report: DetectorReport | None = None
         self.last_health: Observation | None = None
         self.detector = Detector(config.detection, self.topology, clock.monotonic())
+        self.stats = WatchdogStats()
+        self.exposition = MetricsExposition(self, self.stats)
+        self.traces: IncidentTraces | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._runners: list[web.AppRunner] = []
         self._session: aiohttp.ClientSession | None = None
@@ -206,6 +212,9 @@ class Watchdog:
             self.clock,
             self.alive,
         )
+        self.stats.ignore_closed(self.policy.incidents())
+        if config.otlp_export_endpoint:
+            self.traces = IncidentTraces(config.otlp_export_endpoint)
 
         await self._serve(self.receiver.app(), config.spans.otlp_listen, "otlp")
         from omni_watchdog.exporters.api import build_api
@@ -238,6 +247,8 @@ class Watchdog:
             await runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        if self.traces is not None:
+            await asyncio.to_thread(self.traces.shutdown)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         await stop.wait()
@@ -265,11 +276,13 @@ class Watchdog:
         root = next((p for p in recorded if p.role is ProcessRole.API and not p.orphaned), None)
         last = self.gpu.last_snapshot() if self.gpu else None
         reading = _reading_of_snapshot(last) if last else None
+        health = self.last_health
         return TargetSnapshot(
             self.config.target,
             root.identity if root else None,
             recorded,
             gpu_baseline(reading, recorded),
+            health is not None and health.outcome == HealthOutcome.UNHEALTHY.value,
         )
 
     def _snapshot_of_identities(
@@ -354,6 +367,7 @@ class Watchdog:
             if obs.kind is ObservationKind.HEALTH:
                 self.last_health = obs
         self.detector.observe(observations)
+        self.stats.observe(observations)
         if probe is self.tracker and self.tracker.generation != self._generation:
             self._reattach()
 
@@ -362,6 +376,7 @@ class Watchdog:
         previous = self.tracker.previous_generation()
         if self._generation > 0:
             report = self.detector.evaluate(self.clock.monotonic())
+            self.stats.count_verdicts(report.verdicts)
             self.policy.on_report(report, lambda: self.snapshot(previous))
         self._generation = self.tracker.generation
         self.detector = Detector(self.config.detection, self.topology, self.clock.monotonic())
@@ -393,7 +408,11 @@ class Watchdog:
                     crashed=report.target_exit.crashed,
                     reasons=list(report.target_exit.reasons),
                 )
+            self.stats.count_verdicts(report.verdicts)
             self.policy.on_report(report, self.snapshot)
+            for incident in self.stats.closed_incidents(self.policy.incidents()):
+                if self.traces is not None:
+                    self.traces.export(incident)
             await asyncio.sleep(_EVALUATE_EVERY)
 
 

@@ -27,6 +27,7 @@ import aiohttp
 import psutil
 
 from omni_watchdog.config import WatchdogConfig, load_config, merge_layers
+from omni_watchdog.sim.faults import parse_fault
 from omni_watchdog.types import Incident, IncidentOutcome, StepOutcome
 
 REPORT_REQUEST: dict[str, Any] = {
@@ -293,8 +294,12 @@ async def run_scenario(
     say: Callable[[str], None] = print,
     timeout: float = 90.0,
 ) -> tuple[Incident | None, float | None]:
-    """Sim + watchdog + the report's request; the first closed incident and the fault time."""
-    async with attached(workdir, faults, generation, mode) as (watchdog, server):
+    """Sim + watchdog + the report's request; the first closed incident and the fault time.
+
+    The faults are armed once warm-up is over, just before the report's request: armed at
+    start, the watchdog's own canary could fire them while nothing is judged yet.
+    """
+    async with attached(workdir, [], generation, mode) as (watchdog, server):
         say(
             f"simulated vLLM-Omni {generation} server starting on {server.url}"
             f" (faults: {', '.join(faults)})"
@@ -305,6 +310,7 @@ async def run_scenario(
             f"watchdog attached to pid {root.pid if root else '?'}:"
             f" {len(watchdog.tracker.live())} processes, mode {mode}"
         )
+        await arm_faults(server.url, faults)
         say("sending the report's request (POST /v1/chat/completions)")
         request = asyncio.create_task(send_request(server.url))
         incident = await wait_for(lambda: closed_incident(watchdog), timeout)
@@ -312,6 +318,16 @@ async def run_scenario(
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await request
         return incident, server.fault_time()
+
+
+async def arm_faults(url: str, faults: list[str]) -> None:
+    """Arm faults on a running simulated server through its control endpoint."""
+    async with aiohttp.ClientSession() as session:
+        for text in faults:
+            fault = parse_fault(text)
+            async with session.post(url + "/sim/faults", json=fault.as_dict()) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"cannot arm {text}: {await response.text()}")
 
 
 def closed_incident(watchdog: Any) -> Incident | None:

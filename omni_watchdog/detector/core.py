@@ -206,16 +206,16 @@ class Detector:
             gone = exited or info.status is ProcessStatus.ZOMBIE
             if gone and self._root_exited_at is None:
                 self._root_exited_at = obs.time
+        if info.stage is None:
+            return
         previous = self._pid_stage.get(info.pid)
         if previous is not None and previous != info.stage:
             # Mapped by spawn order first, by title or spans later: the later map wins.
             self._stages[previous].processes.pop(info.pid, None)
+        self._pid_stage[info.pid] = info.stage
         memory = self._memory(info.stage)
         if memory is None:
-            self._pid_stage.pop(info.pid, None)
             return
-        assert info.stage is not None
-        self._pid_stage[info.pid] = info.stage
         known = memory.processes.get(info.pid)
         if known is None or known.info.create_time != info.create_time:
             known = _ProcessMemory(info, obs.time, obs.time)

@@ -170,10 +170,17 @@ def build_api(watchdog: Watchdog) -> web.Application:
     async def own_health(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
+    async def metrics(_: web.Request) -> web.Response:
+        exposition = watchdog.exposition
+        return web.Response(
+            body=exposition.render(), headers={"Content-Type": exposition.content_type}
+        )
+
     app = web.Application()
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/target/health", health)
     app.router.add_get("/v1/incidents", incidents)
     app.router.add_get("/v1/incidents/{incident_id}", incident)
     app.router.add_get("/healthz", own_health)
+    app.router.add_get("/metrics", metrics)
     return app

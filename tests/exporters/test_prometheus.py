@@ -1,0 +1,236 @@
+"""The watchdog's /metrics: golden output, promtool, the family contract, the stats.
+
+Set OMNI_WATCHDOG_UPDATE_GOLDEN=1 to rewrite `golden/metrics.txt` from the current output
+instead of comparing with it (then review the diff).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from omni_watchdog.exporters.api import build_api
+from omni_watchdog.exporters.prometheus import (
+    CONTENT_TYPE,
+    FAMILY_NAMES,
+    Histogram,
+    MetricsExposition,
+    WatchdogStats,
+)
+from omni_watchdog.types import (
+    Evidence,
+    EvidenceKind,
+    Observation,
+    ObservationKind,
+    StageRef,
+    StageState,
+    StepName,
+    StepOutcome,
+    Verdict,
+)
+from tests.exporters.watchdog_state import FakeWatchdog, fake_watchdog, scripted_incidents
+
+GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
+UPDATE_GOLDEN = os.environ.get("OMNI_WATCHDOG_UPDATE_GOLDEN") == "1"
+# The only value the fake clock does not fix: the interpreter running the test.
+_MASKS = ((re.compile(r'python_version="[^"]*"'), 'python_version="MASKED"'),)
+
+
+def masked(text: str) -> str:
+    for pattern, replacement in _MASKS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+@pytest.fixture
+def watchdog() -> FakeWatchdog:
+    return fake_watchdog()
+
+
+def rendered(watchdog: FakeWatchdog) -> str:
+    return watchdog.exposition.render().decode()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_match_the_golden_file(watchdog: FakeWatchdog) -> None:
+    text = masked(rendered(watchdog))
+    if UPDATE_GOLDEN:
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "set OMNI_WATCHDOG_UPDATE_GOLDEN=1 to rewrite"
+
+
+def test_promtool_check_metrics_is_clean(watchdog: FakeWatchdog) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package 'prometheus'); metrics not linted")
+    result = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=rendered(watchdog),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == ""
+
+
+def test_every_family_of_the_contract_is_present(watchdog: FakeWatchdog) -> None:
+    names = {family.name for family in text_string_to_metric_families(rendered(watchdog))}
+    # The parser names counters without their _total suffix.
+    expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
+    assert names == expected
+    assert len(FAMILY_NAMES) == 30
+
+
+def test_content_type_is_the_text_format() -> None:
+    assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
+
+
+def test_state_shows_the_scripted_story(watchdog: FakeWatchdog) -> None:
+    found = samples(rendered(watchdog))
+
+    def value(name: str, **labels: str) -> float:
+        return found[("omni_watchdog_" + name, tuple(sorted(labels.items())))]
+
+    stalled = {"stage": "1", "stage_name": "stage-1", "replica": "0"}
+    assert value("stage_state", state="stalled", **stalled) == 1
+    assert value("stage_state", state="healthy", **stalled) == 0
+    unseen = {"stage": "0", "stage_name": 'thinker "main"', "replica": "1"}
+    assert value("stage_state", state="unknown", **unseen) == 1
+    heartbeat_unseen = value("stage_heartbeat_age_seconds", **unseen)
+    assert heartbeat_unseen != heartbeat_unseen  # NaN
+    assert value("stage_heartbeat_age_seconds", **stalled) == 15.0
+    assert value("stage_requests_overdue", stage="1", stage_name="stage-1") == 6
+    assert value("stage_requests_in_flight", stage="0", stage_name='thinker "main"') == 0
+    verdict = {"stage": "1", "stage_name": "stage-1", "state": "stalled"}
+    assert value("verdicts_total", evidence="heartbeat_lost", **verdict) == 1
+    assert value("verdicts_total", evidence="gpu_held", **verdict) == 1
+    assert value("verdicts_total", evidence="process_exit", **verdict) == 0
+    assert value("target_liveness") == 0
+    assert value("target_health_status", outcome="ok") == 1
+    assert value("probe_up", probe="canary") == 0
+    assert value("probe_errors_total", probe="canary") == 3
+    assert value("incidents_total", outcome="recovered_by_term") == 1
+    assert value("incidents_total", outcome="planned") == 1
+    assert value("incident_open") == 1
+    assert value("ladder_steps_total", step="terminate", outcome="planned") == 1
+    assert value("ladder_step_duration_seconds_count", step="terminate") == 1
+    assert value("verdict_to_release_seconds_count") == 1
+    assert value("verdict_to_release_seconds_sum") == pytest.approx(7.6)
+    assert value("gpu_process_memory_bytes", gpu="0", pid="99999", stage="") == 2**29
+    assert value("processes", role="helper", status="zombie") == 1
+    assert value("orphaned_processes") == 1
+    assert value("remediation_budget_exhausted_total") == 1
+
+
+def test_every_series_exists_before_anything_happened() -> None:
+    watchdog = fake_watchdog()
+    watchdog.stats = WatchdogStats()
+    watchdog.last_report = None
+    watchdog.last_health = None
+    watchdog.probe_health = {}
+    watchdog.exposition = MetricsExposition(watchdog, watchdog.stats)  # type: ignore[arg-type]
+    found = samples(rendered(watchdog))
+    names = {name for name, _ in found}
+    assert names >= {"omni_watchdog_verdicts_total", "omni_watchdog_ladder_steps_total"}
+    refs = [labels for name, labels in found if name == "omni_watchdog_stage_state"]
+    assert len(refs) == 4 * len(StageState)  # 4 replicas of 3 stages, every state
+    starting = {
+        dict(labels)["replica"] + dict(labels)["stage"]
+        for name, labels in found
+        if name == "omni_watchdog_stage_state"
+        and dict(labels)["state"] == "starting"
+        and found[(name, labels)] == 1
+    }
+    assert len(starting) == 4
+    verdicts = [k for k in found if k[0] == "omni_watchdog_verdicts_total"]
+    assert len(verdicts) == 3 * 2 * len(EvidenceKind)
+    assert all(found[k] == 0 for k in verdicts)
+    steps = [k for k in found if k[0] == "omni_watchdog_ladder_steps_total"]
+    assert len(steps) == len(StepName) * len(StepOutcome)
+    assert found[("omni_watchdog_probe_up", (("probe", "gpu"),))] == 0
+    assert (
+        found[
+            (
+                "omni_watchdog_stage_duration_seconds_count",
+                (("stage", "2"), ("stage_name", "stage-2")),
+            )
+        ]
+        == 0
+    )
+
+
+def test_histogram_buckets_are_inclusive_and_cumulative() -> None:
+    histogram = Histogram((1.0, 2.0))
+    for value in (0.5, 1.0, 1.5, 3.0):
+        histogram.observe(value)
+    assert histogram.counts == [2, 1, 1]
+    assert histogram.total == 6.0
+
+
+def test_a_closed_incident_is_counted_once_and_journal_ones_never() -> None:
+    stats = WatchdogStats()
+    old, new, still_open = scripted_incidents()
+    stats.ignore_closed([old])
+    assert stats.closed_incidents([old, new, still_open]) == [new]
+    assert stats.closed_incidents([old, new, still_open]) == []
+    assert sum(stats.incidents.values()) == 1
+
+
+def test_verdicts_count_each_kind_of_evidence_once() -> None:
+    stats = WatchdogStats()
+    ref = StageRef(2, 1)
+    evidence = (
+        Evidence(EvidenceKind.SPAN_OVERDUE, ref, 1.0, "a"),
+        Evidence(EvidenceKind.SPAN_OVERDUE, ref, 2.0, "b"),
+        Evidence(EvidenceKind.PROCESS_EXIT, ref, 2.0, "c"),
+    )
+    stats.count_verdicts([Verdict(ref, StageState.DEAD, 3.0, evidence)])
+    assert stats.verdicts == {
+        (2, StageState.DEAD, EvidenceKind.SPAN_OVERDUE): 1,
+        (2, StageState.DEAD, EvidenceKind.PROCESS_EXIT): 1,
+    }
+
+
+def test_a_gpu_run_replaces_the_previous_reading() -> None:
+    stats = WatchdogStats()
+    first = [
+        Observation(ObservationKind.GPU_DEVICE, 1.0, gpu=0, value=10.0, utilization=0.5),
+        Observation(ObservationKind.GPU_PROCESS, 1.0, gpu=0, pid=7, value=10.0),
+    ]
+    second = [Observation(ObservationKind.GPU_DEVICE, 2.0, gpu=1, value=0.0, utilization=None)]
+    stats.observe(first)
+    stats.observe([Observation(ObservationKind.HEARTBEAT, 1.5, stage=StageRef(0))])
+    assert len(stats.gpu_processes) == 1
+    stats.observe(second)
+    assert stats.gpu_devices == {1: (0.0, None)}
+    assert stats.gpu_processes == []
+
+
+def test_the_api_serves_metrics_in_the_text_format(watchdog: FakeWatchdog) -> None:
+    async def scrape() -> tuple[int, str, str]:
+        app = build_api(watchdog)  # type: ignore[arg-type]
+        async with TestClient(TestServer(app)) as client:
+            response = await client.get("/metrics")
+            return response.status, response.headers["Content-Type"], await response.text()
+
+    status, content_type, body = asyncio.run(scrape())
+    assert status == 200
+    assert content_type == CONTENT_TYPE
+    assert masked(body) == GOLDEN.read_text()

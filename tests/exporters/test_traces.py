@@ -1,0 +1,161 @@
+"""Incident traces over real OTLP/HTTP protobuf, into a capture server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import socket
+import time
+
+import pytest
+
+from omni_watchdog.exporters.traces import IncidentTraces
+from omni_watchdog.types import (
+    Evidence,
+    EvidenceKind,
+    Incident,
+    IncidentOutcome,
+    Mode,
+    StageRef,
+    StageState,
+    StepName,
+    StepOutcome,
+    StepResult,
+    Verdict,
+)
+from tests.exporters.otlp_capture import CaptureServer, attributes
+
+OPENED = 1_700_000_015.0
+
+
+def captured(*incidents: Incident) -> CaptureServer:
+    """Export the incidents to a fresh capture server and wait until they arrived."""
+
+    async def scenario() -> CaptureServer:
+        server = CaptureServer()
+        await server.start()
+        traces = IncidentTraces(server.url)
+        try:
+            for one in incidents:
+                traces.export(one)
+            assert await asyncio.to_thread(traces.flush)
+        finally:
+            await asyncio.to_thread(traces.shutdown)
+            await server.stop()
+        return server
+
+    return asyncio.run(scenario())
+
+
+def incident() -> Incident:
+    ref = StageRef(1)
+    verdict = Verdict(
+        ref,
+        StageState.STALLED,
+        10.0,
+        (
+            Evidence(EvidenceKind.HEARTBEAT_LOST, ref, 5.0, "no loop heartbeat for 4.0s"),
+            Evidence(EvidenceKind.SPAN_OVERDUE, ref, 6.0, "3 request(s) past the deadline"),
+        ),
+    )
+    return Incident(
+        incident_id="20231114T221335Z-a1b2c3",
+        target="http://127.0.0.1:8000",
+        mode=Mode.ENFORCE,
+        opened=OPENED,
+        cause="stage 1.0 stalled",
+        verdicts=(verdict,),
+        steps=(
+            StepResult(StepName.CAPTURE, StepOutcome.OK, OPENED, 0.75, "4 stacks"),
+            StepResult(StepName.TERMINATE, StepOutcome.TIMEOUT, OPENED + 0.75, 3.0, "", (100,)),
+            StepResult(StepName.KILL, StepOutcome.RECOVERED, OPENED + 3.75, 0.5, "", (100, 101)),
+            StepResult(StepName.VERIFY, StepOutcome.NOT_RECOVERED, OPENED + 4.25, 10.0, "held"),
+        ),
+        outcome=IncidentOutcome.LEAKED,
+        closed=OPENED + 14.25,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_an_incident_is_one_trace_with_a_child_per_step() -> None:
+    capture = captured(incident())
+    assert capture.content_types == ["application/x-protobuf"]
+    resource = capture.requests[0].resource_spans[0].resource
+    assert attributes(resource)["service.name"] == "omni-watchdog"
+    spans = capture.spans()
+    assert [s.name for s in spans].count("omni.incident") == 1
+    root = next(s for s in spans if s.name == "omni.incident")
+    children = [s for s in spans if s is not root]
+    assert [s.name for s in children] == [
+        "omni.ladder.capture",
+        "omni.ladder.terminate",
+        "omni.ladder.kill",
+        "omni.ladder.verify",
+    ]
+    assert attributes(root) == {
+        "omni.incident.id": "20231114T221335Z-a1b2c3",
+        "omni.incident.target": "http://127.0.0.1:8000",
+        "omni.incident.cause": "stage 1.0 stalled",
+        "omni.incident.mode": "enforce",
+        "omni.incident.outcome": "leaked",
+        "omni.incident.stages": ["1.0"],
+        "omni.incident.evidence": ["heartbeat_lost", "span_overdue"],
+    }
+    assert root.status.code == 2  # STATUS_CODE_ERROR: a leak needs a person
+    assert root.start_time_unix_nano == int(OPENED * 1e9)
+    assert root.end_time_unix_nano == int((OPENED + 14.25) * 1e9)
+    for child in children:
+        assert child.trace_id == root.trace_id
+        assert child.parent_span_id == root.span_id
+    kill = attributes(children[2])
+    assert kill == {
+        "omni.ladder.step": "kill",
+        "omni.ladder.outcome": "recovered",
+        "omni.ladder.detail": "",
+        "omni.ladder.targets": [100, 101],
+    }
+    assert children[2].start_time_unix_nano == int((OPENED + 3.75) * 1e9)
+    assert children[2].end_time_unix_nano == int((OPENED + 4.25) * 1e9)
+    assert children[2].status.code == 0
+    assert children[1].status.code == 2  # the terminate step timed out
+
+
+def test_two_incidents_are_two_traces() -> None:
+    first = incident()
+    capture = captured(first, dataclasses.replace(first, incident_id="second", steps=()))
+    roots = [s for s in capture.spans() if s.name == "omni.incident"]
+    assert len({s.trace_id for s in roots}) == 2
+    assert all(not s.parent_span_id for s in roots)
+
+
+def test_an_unreachable_endpoint_never_blocks_nor_raises() -> None:
+    traces = IncidentTraces(f"http://127.0.0.1:{free_port()}/v1/traces", timeout=0.5)
+    try:
+        begun = time.monotonic()
+        traces.export(incident())
+        assert time.monotonic() - begun < 0.1
+    finally:
+        begun = time.monotonic()
+        traces.shutdown()
+        # The failed export is the SDK's to log; shutting down stays bounded by the timeout.
+        assert time.monotonic() - begun < 3.0
+
+
+def test_an_incident_that_cannot_be_traced_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    traces = IncidentTraces(f"http://127.0.0.1:{free_port()}/v1/traces", timeout=0.5)
+    broken = dataclasses.replace(
+        incident(), steps=(StepResult(StepName.CAPTURE, StepOutcome.OK, math.nan, 1.0),)
+    )
+    try:
+        traces.export(broken)
+    finally:
+        traces.shutdown()
+    assert any(r.getMessage() == "incident_trace_failed" for r in caplog.records)
