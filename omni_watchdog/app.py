@@ -39,6 +39,7 @@ from omni_watchdog.policy.ladder import (
     LadderRunner,
     TargetSnapshot,
     gpu_baseline,
+    gpu_held,
     ladder_from_config,
 )
 from omni_watchdog.probes.canary import CanaryProbe
@@ -83,13 +84,13 @@ class ProbeHealth:
 
 def gpu_reading_of(observations: Sequence[Observation]) -> GpuReading:
     by_device: dict[int, float] = {}
-    by_pid: dict[int, float] = {}
+    held: dict[tuple[int, int], float] = {}
     for obs in observations:
         if obs.kind is ObservationKind.GPU_DEVICE and obs.gpu is not None:
             by_device[obs.gpu] = obs.value
         elif obs.kind is ObservationKind.GPU_PROCESS and obs.pid is not None:
-            by_pid[obs.pid] = by_pid.get(obs.pid, 0.0) + obs.value
-    return GpuReading(by_device, by_pid)
+            held[(obs.gpu or 0, obs.pid)] = obs.value
+    return GpuReading(by_device, held)
 
 
 class Watchdog:
@@ -283,6 +284,7 @@ class Watchdog:
             recorded,
             gpu_baseline(reading, recorded),
             health is not None and health.outcome == HealthOutcome.UNHEALTHY.value,
+            gpu_held(reading, recorded),
         )
 
     def _snapshot_of_identities(
@@ -417,11 +419,12 @@ class Watchdog:
 
 
 def _reading_of_snapshot(snapshot: dict[str, Any]) -> GpuReading | None:
-    devices = snapshot.get("devices") or []
     if snapshot.get("time") is None:
         return None
-    by_pid: dict[int, float] = {}
-    for device in devices:
-        for process in device["processes"]:
-            by_pid[process["pid"]] = by_pid.get(process["pid"], 0.0) + process["used_bytes"]
-    return GpuReading({d["index"]: float(d["used_bytes"]) for d in devices}, by_pid)
+    devices = snapshot.get("devices") or []
+    held = {
+        (device["index"], process["pid"]): float(process["used_bytes"])
+        for device in devices
+        for process in device["processes"]
+    }
+    return GpuReading({d["index"]: float(d["used_bytes"]) for d in devices}, held)

@@ -59,10 +59,17 @@ def ladder_from_config(config: LadderConfig) -> tuple[LadderStep, ...]:
 
 @dataclass(frozen=True)
 class GpuReading:
-    """Device memory now: bytes used per device and per pid (all devices together)."""
+    """Device memory now: bytes used per device, and held per (device, pid)."""
 
     used_by_device: Mapping[int, float]
-    used_by_pid: Mapping[int, float]
+    held: Mapping[tuple[int, int], float]
+
+    @property
+    def used_by_pid(self) -> dict[int, float]:
+        totals: dict[int, float] = {}
+        for (_, pid), used in self.held.items():
+            totals[pid] = totals.get(pid, 0.0) + used
+        return totals
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class TargetSnapshot:
     processes: tuple[ProcessInfo, ...]
     gpu_baseline: Mapping[int, float] | None
     server_reports_failure: bool = False
+    gpu_held_at_open: float = 0.0
 
     @property
     def identities(self) -> tuple[ProcessIdentity, ...]:
@@ -83,21 +91,26 @@ class TargetSnapshot:
         return tuple(sorted({p.pgid for p in self.processes}))
 
 
+def gpu_held(reading: GpuReading | None, processes: tuple[ProcessInfo, ...]) -> float:
+    """Bytes the given processes hold on all devices."""
+    if reading is None:
+        return 0.0
+    ours = {p.pid for p in processes}
+    return sum(b for (_, pid), b in reading.held.items() if pid in ours)
+
+
 def gpu_baseline(
     reading: GpuReading | None, processes: tuple[ProcessInfo, ...]
 ) -> dict[int, float] | None:
-    """What each device should read once the target's memory is freed."""
+    """What each device should read once the given processes' memory is freed."""
     if reading is None:
         return None
     ours = {p.pid for p in processes}
-    held = sum(b for pid, b in reading.used_by_pid.items() if pid in ours)
-    # NVML's per-pid list does not say which device; charge the target's share to the
-    # devices in proportion to their use so a single-device host is exact.
-    total = sum(reading.used_by_device.values()) or 1.0
-    return {
-        device: max(0.0, used - held * used / total)
-        for device, used in reading.used_by_device.items()
-    }
+    baseline = dict(reading.used_by_device)
+    for (device, pid), used in reading.held.items():
+        if pid in ours and device in baseline:
+            baseline[device] = max(0.0, baseline[device] - used)
+    return baseline
 
 
 class LadderRunner:
@@ -297,7 +310,11 @@ class LadderRunner:
                 f" devices over baseline: {sorted(over)}"
             )
         used = sum(reading.used_by_device.values())
-        return True, f"GPU memory back to baseline ({used / 2**20:.0f} MiB used)"
+        freed = snapshot.gpu_held_at_open / 2**20
+        return (
+            True,
+            f"GPU memory back to baseline: {freed:.0f} MiB released, {used / 2**20:.0f} MiB used",
+        )
 
     def _plan(self, step: LadderStep, snapshot: TargetSnapshot) -> StepResult:
         """What enforce mode would do, exactly, without doing it."""

@@ -82,7 +82,7 @@ class Rig:
 
     async def read_gpu(self) -> GpuReading:
         held = {pid: b for pid, b in self.gpu_by_pid.items() if pid in self.fake.table}
-        return GpuReading({0: 1e9 + sum(held.values())}, held)
+        return GpuReading({0: 1e9 + sum(held.values())}, {(0, pid): b for pid, b in held.items()})
 
     async def capture(self, incident: Incident, snapshot: TargetSnapshot) -> StepResult:
         self.captures += 1
@@ -90,7 +90,10 @@ class Rig:
 
     def snapshot(self) -> TargetSnapshot:
         root = next(p for p in self.processes if p.role is ProcessRole.API)
-        reading = GpuReading({0: 1e9 + sum(self.gpu_by_pid.values())}, dict(self.gpu_by_pid))
+        reading = GpuReading(
+            {0: 1e9 + sum(self.gpu_by_pid.values())},
+            {(0, pid): b for pid, b in self.gpu_by_pid.items()},
+        )
         return TargetSnapshot(
             "http://127.0.0.1:1",
             root.identity,
@@ -380,3 +383,10 @@ def test_observe_mode_records_without_acting(tmp_path: Path, fake_psutil: FakePs
 def test_the_ladder_is_data(steps: list[str]) -> None:
     ladder = ladder_from_config(LadderConfig(steps=steps))
     assert [s.name.value for s in ladder] == steps
+
+
+def test_gpu_baseline_is_per_device() -> None:
+    ours = (info(10, 10, ProcessRole.ENGINE),)
+    reading = GpuReading({0: 5e9, 1: 9e9}, {(0, 99): 5e9, (1, 10): 8e9, (1, 99): 1e9})
+    assert gpu_baseline(reading, ours) == {0: 5e9, 1: 1e9}
+    assert reading.used_by_pid == {99: 6e9, 10: 8e9}
