@@ -132,25 +132,26 @@ class Actuators:
             return AdminAnswer(StepOutcome.UNREACHABLE, f"{url}: {error}")
 
     def signal_group(self, pgid: int, sig: signal.Signals) -> SignalRecord:
-        target = f"process group {pgid}"
-        reason = self._guard.check_group(pgid)
-        if reason:
-            return SignalRecord(target, sig.name, False, reason)
-        try:
-            self._killpg(pgid, sig)
-        except ProcessLookupError:
-            return SignalRecord(target, sig.name, False, "already gone")
-        except PermissionError as error:
-            return SignalRecord(target, sig.name, False, f"not permitted: {error}")
-        return SignalRecord(target, sig.name, True)
+        return self._send(
+            f"process group {pgid}", self._guard.check_group(pgid), self._killpg, pgid, sig
+        )
 
     def signal_process(self, identity: ProcessIdentity, sig: signal.Signals) -> SignalRecord:
-        target = f"pid {identity.pid}"
         reason = self._guard.check_process(identity)
-        if reason:
-            return SignalRecord(target, sig.name, False, reason)
+        return self._send(f"pid {identity.pid}", reason, self._kill, identity.pid, sig)
+
+    @staticmethod
+    def _send(
+        target: str,
+        refusal: str,
+        send: Callable[[int, int], None],
+        number: int,
+        sig: signal.Signals,
+    ) -> SignalRecord:
+        if refusal:
+            return SignalRecord(target, sig.name, False, refusal)
         try:
-            self._kill(identity.pid, sig)
+            send(number, sig)
         except ProcessLookupError:
             return SignalRecord(target, sig.name, False, "already gone")
         except PermissionError as error:

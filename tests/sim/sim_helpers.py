@@ -17,18 +17,9 @@ from typing import Any
 
 import psutil
 
+from omni_watchdog.demo import REPORT_REQUEST
 from omni_watchdog.sim.nvml import STATE_ENV, SimulatedNvml
 
-REPORT_BODY = {
-    "model": "yujiepan/qwen2.5-omni-tiny-random",
-    "messages": [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is vLLM?"},
-    ],
-    "max_tokens": 256,
-    "temperature": 0.7,
-    "stream": False,
-}
 START_TIMEOUT_S = 30.0
 EXAMPLES = Path(__file__).resolve().parents[2] / "omni_watchdog" / "examples"
 V030_CONFIG = EXAMPLES / "qwen2_5_omni_0.30.yaml"
@@ -134,7 +125,7 @@ class Sim:
         return self.request("POST", path, body, timeout=timeout)
 
     def chat(self, timeout: float = 10.0) -> Answer:
-        return self.post("/v1/chat/completions", REPORT_BODY, timeout=timeout)
+        return self.post("/v1/chat/completions", REPORT_REQUEST, timeout=timeout)
 
     def inject(self, kind: str, stage: int = 0, replica: int = 0) -> None:
         answer = self.post("/sim/faults", {"kind": kind, "stage": stage, "replica": replica})
