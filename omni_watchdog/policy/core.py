@@ -140,8 +140,10 @@ class Policy:
             notes.append("another watchdog holds this target's lock: observing only")
         if mode is Mode.ENFORCE:
             self._budget.note(wall)
-        if target.root is not None:
-            self._handled_roots.add(target.root)
+            # A server the ladder acted on is not acted on again, nor is its exit a crash;
+            # one that was only watched can have a later incident of its own.
+            if target.root is not None:
+                self._handled_roots.add(target.root)
         incident_id = new_incident_id(wall)
         timeline = {"opened": wall}
         if verdicts:

@@ -390,3 +390,22 @@ def test_gpu_baseline_is_per_device() -> None:
     reading = GpuReading({0: 5e9, 1: 9e9}, {(0, 99): 5e9, (1, 10): 8e9, (1, 99): 1e9})
     assert gpu_baseline(reading, ours) == {0: 5e9, 1: 1e9}
     assert reading.used_by_pid == {99: 6e9, 10: 8e9}
+
+
+@pytest.mark.parametrize(("mode", "incidents"), [(Mode.OBSERVE, 2), (Mode.ENFORCE, 1)])
+def test_a_server_acted_on_is_not_acted_on_again(
+    tmp_path: Path, fake_psutil: FakePsutil, mode: Mode, incidents: int
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, mode)
+    the_0_11_tree(rig)
+
+    async def scenario() -> int:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            for _ in range(2):
+                task = policy.on_report(report(), rig.snapshot)
+                if task is not None:
+                    await task
+            return len(policy.incidents())
+
+    assert asyncio.run(scenario()) == incidents
