@@ -10,8 +10,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 from urllib.parse import urlparse
@@ -55,6 +55,7 @@ from omni_watchdog.types import (
     HealthOutcome,
     Observation,
     ObservationKind,
+    Probe,
     ProcessIdentity,
     ProcessInfo,
     ProcessRole,
@@ -78,8 +79,6 @@ class ProbeHealth:
     errors_total: int = 0
     last_error: str = ""
     last_duration: float = 0.0
-    runs_total: int = 0
-    errors_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 def gpu_reading_of(observations: Sequence[Observation]) -> GpuReading:
@@ -159,7 +158,7 @@ class Watchdog:
         probes = config.probes
         enabled = set(probes.enabled)
         self.metrics = MetricsProbe(session, target, probes, self.clock)
-        periodic: list[tuple[Any, float]] = [
+        periodic: list[tuple[Probe, float]] = [
             (self.tracker, probes.interval),
             (HealthProbe(session, target, probes, self.clock), probes.health_interval),
             (self.metrics, probes.metrics_interval),
@@ -318,8 +317,8 @@ class Watchdog:
 
     # ---- loops --------------------------------------------------------------------
 
-    def _spawn(self, coroutine: Awaitable[None]) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(coroutine))  # type: ignore[arg-type]
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coroutine))
 
     async def _serve(self, app: web.Application, listen: str, which: str) -> None:
         host, port = split_host_port(listen, which)
@@ -333,7 +332,7 @@ class Watchdog:
         else:
             self.api_port = bound
 
-    async def _probe_loop(self, probe: Any, every: float) -> None:
+    async def _probe_loop(self, probe: Probe, every: float) -> None:
         health = self.probe_health[probe.name]
         while True:
             begun = self.clock.monotonic()
@@ -347,7 +346,6 @@ class Watchdog:
                 health.up = True
                 health.last_error = ""
                 self._take(probe, observations)
-            health.runs_total += 1
             health.last_duration = self.clock.monotonic() - begun
             await asyncio.sleep(max(0.0, every - health.last_duration))
 
@@ -358,10 +356,8 @@ class Watchdog:
         health.up = False
         health.errors_total += 1
         health.last_error = reason
-        key = reason.split(":")[0][:60]
-        health.errors_by_reason[key] = health.errors_by_reason.get(key, 0) + 1
 
-    def _take(self, probe: Any, observations: Sequence[Observation]) -> None:
+    def _take(self, probe: Probe, observations: Sequence[Observation]) -> None:
         if probe is self.receiver:
             for pid, (stage, kind) in self.store.pid_stages().items():
                 self.tracker.learn_stage(pid, stage, kind)
