@@ -316,11 +316,11 @@ def fake_watchdog(
         )
     )
     probe_health = {
-        name: ProbeHealth(name, runs_total=30, last_duration=0.004)
+        name: ProbeHealth(name, last_duration=0.004)
         for name in config.probes.enabled
     }
     probe_health["canary"] = ProbeHealth(
-        "canary", up=False, errors_total=3, last_error="timeout", last_duration=5.0, runs_total=9
+        "canary", up=False, errors_total=3, last_error="timeout", last_duration=5.0
     )
     return FakeWatchdog(
         config=config,
