@@ -116,6 +116,8 @@ class Watchdog:
         self.probe_health: dict[str, ProbeHealth] = {}
         self.last_report: DetectorReport | None = None
         self.last_health: Observation | None = None
+        # From a 503 to the next 200: vLLM answers 503, then refuses, then exits by itself.
+        self._server_reports_failure = False
         self.detector = Detector(config.detection, self.topology, clock.monotonic())
         self.stats = WatchdogStats()
         self.exposition = MetricsExposition(self, self.stats)
@@ -276,13 +278,12 @@ class Watchdog:
         root = next((p for p in recorded if p.role is ProcessRole.API and not p.orphaned), None)
         last = self.gpu.last_snapshot() if self.gpu else None
         reading = _reading_of_snapshot(last) if last else None
-        health = self.last_health
         return TargetSnapshot(
             self.config.target,
             root.identity if root else None,
             recorded,
             gpu_baseline(reading, recorded),
-            health is not None and health.outcome == HealthOutcome.UNHEALTHY.value,
+            self._server_reports_failure,
             gpu_held(reading, recorded),
         )
 
@@ -364,6 +365,10 @@ class Watchdog:
         for obs in observations:
             if obs.kind is ObservationKind.HEALTH:
                 self.last_health = obs
+                if obs.outcome == HealthOutcome.UNHEALTHY.value:
+                    self._server_reports_failure = True
+                elif obs.outcome == HealthOutcome.OK.value:
+                    self._server_reports_failure = False
         self.detector.observe(observations)
         self.stats.observe(observations)
         if probe is self.tracker and self.tracker.generation != self._generation:
@@ -377,6 +382,7 @@ class Watchdog:
             self.stats.count_verdicts(report.verdicts)
             self.policy.on_report(report, lambda: self.snapshot(previous))
         self._generation = self.tracker.generation
+        self._server_reports_failure = False
         self.detector = Detector(self.config.detection, self.topology, self.clock.monotonic())
         root = self.tracker.root
         log_event(

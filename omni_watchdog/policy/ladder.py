@@ -31,6 +31,9 @@ from omni_watchdog.types import (
 GPU_TOLERANCE_BYTES = 64 * 2**20
 _POLL = 0.05
 
+# How the shutdown step says that the server went away on its own: then it crashed.
+EXITED_BY_ITSELF = "the server exited by itself"
+
 _RECOVERED_BY = {
     StepName.SHUTDOWN: IncidentOutcome.RECOVERED_BY_SHUTDOWN,
     StepName.TERMINATE: IncidentOutcome.RECOVERED_BY_TERM,
@@ -165,8 +168,12 @@ class LadderRunner:
                 and result.outcome is StepOutcome.RECOVERED
             ):
                 recovered_by = step.name
+        cause = incident.cause
+        if any(EXITED_BY_ITSELF in s.detail for s in incident.steps if s.step is StepName.SHUTDOWN):
+            cause += f"; the server crashed: {EXITED_BY_ITSELF}"
         return dataclasses.replace(
             incident,
+            cause=cause,
             outcome=self._outcome(incident, recovered_by),
             closed=self._clock.wall(),
         )
@@ -216,14 +223,14 @@ class LadderRunner:
     async def _shutdown(self, snapshot: TargetSnapshot) -> tuple[StepOutcome, str]:
         if not self._survivors(snapshot):
             return StepOutcome.SKIPPED, "no recorded process is alive"
-        if snapshot.root is None or not self._alive(snapshot.root):
-            return StepOutcome.SKIPPED, "the server process is gone; nothing to ask"
+        if snapshot.root is None:
+            return StepOutcome.SKIPPED, "no server process was recorded; nothing to ask"
+        if not self._alive(snapshot.root):
+            return StepOutcome.SKIPPED, f"{EXITED_BY_ITSELF} before the ladder reached it"
         if snapshot.server_reports_failure:
             grace = self._config.self_exit_grace
             if await self._wait_exit(snapshot.root, grace):
-                return StepOutcome.SKIPPED, (
-                    f"the server answered 503 and exited by itself within {grace:g}s"
-                )
+                return StepOutcome.SKIPPED, f"{EXITED_BY_ITSELF} within {grace:g}s of its 503"
         answer = await self._actuators.request_shutdown(
             self._admin_url,
             self._config.admin_method,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from pathlib import Path
 
@@ -409,3 +410,35 @@ def test_a_server_acted_on_is_not_acted_on_again(
             return len(policy.incidents())
 
     assert asyncio.run(scenario()) == incidents
+
+
+@pytest.mark.parametrize(
+    ("leftover", "outcome"),
+    [(False, IncidentOutcome.CRASHED), (True, IncidentOutcome.RECOVERED_BY_TERM)],
+)
+def test_a_server_that_answers_503_and_exits_by_itself_crashed(
+    tmp_path: Path, fake_psutil: FakePsutil, leftover: bool, outcome: IncidentOutcome
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    exiting = [100, 101, 103] + ([] if leftover else [102])
+    tick = rig.clock.sleep
+
+    async def server_exits_after_a_moment(seconds: float) -> None:
+        await tick(seconds)
+        if rig.clock.monotonic() > 1001.0:
+            for pid in exiting:
+                fake_psutil.table.pop(pid, None)
+
+    rig.clock.sleep = server_exits_after_a_moment  # type: ignore[method-assign]
+    original = rig.snapshot
+    rig.snapshot = lambda: dataclasses.replace(original(), server_reports_failure=True)  # type: ignore[method-assign]
+    incident = run_incident(rig)
+    assert incident is not None and incident.outcome is outcome
+    assert "the server crashed" in incident.cause
+    assert step_detail(incident, StepName.SHUTDOWN).startswith("the server exited by itself")
+    assert ("killpg", 100, TERM) not in fake_psutil.signals or leftover
+
+
+def step_detail(incident: Incident, name: StepName) -> str:
+    return next(s.detail for s in incident.steps if s.step is name)
