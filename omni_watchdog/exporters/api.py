@@ -108,7 +108,8 @@ def status_of(watchdog: Watchdog) -> dict[str, Any]:
 def target_health(watchdog: Watchdog) -> tuple[int, str]:
     """200 only while every stage is healthy or degraded; else 503 and the reason."""
     report = watchdog.last_report
-    if not watchdog.tracker.target_alive:
+    sees_processes = "processes" in watchdog.config.probes.enabled
+    if sees_processes and not watchdog.tracker.target_alive:
         return 503, "target server process not found"
     if report is None:
         return 503, "no evaluation yet"

@@ -102,7 +102,12 @@ class Rig:
             gpu_baseline(reading, tuple(self.processes)),
         )
 
-    def policy(self, session: aiohttp.ClientSession, lock_dir: Path | None = None) -> Policy:
+    def policy(
+        self,
+        session: aiohttp.ClientSession,
+        lock_dir: Path | None = None,
+        admin_url: str = "http://127.0.0.1:1/admin/shutdown",
+    ) -> Policy:
         config = LadderConfig(term_grace=3.0, kill_grace=1.0, release_timeout=2.0)
         guard = SignalGuard(self.fake, self.recorded, OWN_PID, OWN_PGID, self.fake.getpgid)
         actuators = Actuators(guard, session, kill=self.fake.kill, killpg=self.fake.killpg)
@@ -114,7 +119,7 @@ class Rig:
             self.read_gpu,
             self.alive,
             self.clock,
-            "http://127.0.0.1:1/admin/shutdown",
+            admin_url,
             "token",
             sleep=self.clock.sleep,
         )
@@ -442,3 +447,45 @@ def test_a_server_that_answers_503_and_exits_by_itself_crashed(
 
 def step_detail(incident: Incident, name: StepName) -> str:
     return next(s.detail for s in incident.steps if s.step is name)
+
+
+@pytest.mark.parametrize(
+    ("accepts", "outcome"),
+    [(True, IncidentOutcome.RECOVERED_BY_SHUTDOWN), (False, IncidentOutcome.FAILED)],
+)
+def test_without_the_pid_namespace_the_admin_endpoint_is_the_only_lever(
+    tmp_path: Path, fake_psutil: FakePsutil, accepts: bool, outcome: IncidentOutcome
+) -> None:
+    from aiohttp import web
+
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    blind = TargetSnapshot("http://127.0.0.1:1", None, (), None)
+
+    async def scenario() -> Incident:
+        calls: list[str] = []
+
+        async def shutdown(request: web.Request) -> web.Response:
+            calls.append(request.headers.get("Authorization", ""))
+            return web.Response(status=202 if accepts else 401)
+
+        app = web.Application()
+        app.router.add_post("/admin/shutdown", shutdown)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                policy = rig.policy(session, admin_url=f"http://127.0.0.1:{port}/admin/shutdown")
+                task = policy.on_report(report(), lambda: blind)
+                assert task is not None
+                incident = await task
+        finally:
+            await runner.cleanup()
+        assert calls == ["Bearer token"]
+        return incident
+
+    incident = asyncio.run(scenario())
+    assert incident.outcome is outcome
+    assert fake_psutil.signals == []
