@@ -22,8 +22,8 @@ demo: $(STAMP)
 	$(BIN)/omni-watchdog demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check omni_watchdog tests benchmarks dashboards scripts
-	$(BIN)/ruff format --check omni_watchdog tests benchmarks dashboards scripts
+	$(BIN)/ruff check omni_watchdog tests benchmarks dashboards deploy scripts
+	$(BIN)/ruff format --check omni_watchdog tests benchmarks dashboards deploy scripts
 	$(BIN)/mypy omni_watchdog
 
 test: lint tools

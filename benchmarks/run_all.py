@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["bench_ingest.py", "bench_scrape.py", "bench_detection.py"]
+BENCHMARKS = [
+    "bench_ingest.py",
+    "bench_scrape.py",
+    "bench_detection.py",
+    "bench_overhead.py",
+    "bench_memory.py",
+]
 
 
 def main() -> int:

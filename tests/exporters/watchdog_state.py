@@ -315,10 +315,7 @@ def fake_watchdog(
             queue_depth=0,
         )
     )
-    probe_health = {
-        name: ProbeHealth(name, last_duration=0.004)
-        for name in config.probes.enabled
-    }
+    probe_health = {name: ProbeHealth(name, last_duration=0.004) for name in config.probes.enabled}
     probe_health["canary"] = ProbeHealth(
         "canary", up=False, errors_total=3, last_error="timeout", last_duration=5.0
     )

@@ -1,0 +1,236 @@
+"""The real vLLM server (the CPU build, in `.venv-vllm`) and a watchdog attached to it.
+
+Each server runs in a session of its own and is killed, with everything it ever started,
+by the fixture that started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+from e2e.harness import FAST
+
+from omni_watchdog.app import Watchdog
+from omni_watchdog.clock import SystemClock
+from omni_watchdog.config import load_config, merge_layers
+from omni_watchdog.demo import free_port, wait_for
+from omni_watchdog.log import configure_logging
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_VENV = REPO / ".venv-vllm"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+# Written by make/vllm.mk once the whole environment is installed.
+VLLM_STAMP = VLLM_VENV / ".installed-stamp"
+MAKE_TINY_MODEL = REPO / "scripts" / "make_tiny_model.py"
+MODEL_NAME = "tiny"
+ADMIN_TOKEN = "real-vllm-test-token"
+# About 30 s to ready on two cores; a loaded CI machine gets three times that and more.
+READY_TIMEOUT = 150.0
+
+# The short timeouts of the simulated-server tests; no GPU here, so the GPU probe is left
+# out rather than reported failing all along. The canary matters: the real /health stays
+# 200 while the engine is stopped.
+REAL_FAST = merge_layers(
+    FAST,
+    {
+        "probes": {
+            "gpu_backend": "none",
+            "enabled": ["spans", "metrics", "health", "canary", "processes"],
+        }
+    },
+)
+
+
+@dataclass
+class VllmServer:
+    """A `vllm serve` this test process started, in its own session and process group."""
+
+    port: int
+    otlp_port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    # vLLM puts ZMQ sockets under TMPDIR, and a socket path must stay under 108 bytes: a
+    # pytest temp dir is too deep, so the scratch dir sits right in the system's temp dir.
+    scratch: Path
+    # Every process of its tree ever seen, by pid and start time, for the clean-up.
+    seen: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, model: Path, workdir: Path, env: Mapping[str, str] | None = None) -> VllmServer:
+        port, otlp_port = free_port(), free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix="vllm-"))
+        otlp_endpoint = f"http://127.0.0.1:{otlp_port}/v1/traces"
+        child_env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # vLLM's exporter speaks gRPC unless told otherwise; the receiver is OTLP/HTTP.
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache"),
+            "TMPDIR": str(scratch),
+            # The omni-watchdog plugin installed in the vLLM environment: the endpoint
+            # plugin (the admin route) loads only when named, and naming it filters the
+            # general plugins down to the names listed.
+            "VLLM_PLUGINS": "omni_watchdog",
+            "OMNI_WATCHDOG_OTLP_ENDPOINT": otlp_endpoint,
+            "OMNI_WATCHDOG_ADMIN_TOKEN": ADMIN_TOKEN,
+            "OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5",
+            **(env or {}),
+        }
+        argv = [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            MODEL_NAME,
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--otlp-traces-endpoint",
+            otlp_endpoint,
+        ]
+        log_path = workdir / "vllm.log"
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=child_env,
+                cwd=workdir,
+                start_new_session=True,
+            )
+        return cls(port, otlp_port, process, log_path, scratch)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def tree(self) -> list[psutil.Process]:
+        """The server and its live descendants, each remembered for the clean-up."""
+        try:
+            root = psutil.Process(self.process.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                self.seen.setdefault(process.pid, process.create_time())
+        return processes
+
+    def titled(self, title: str) -> psutil.Process:
+        """The one process of the tree whose title (setproctitle) starts with `title`."""
+        found = [p for p in self.tree() if _title(p).startswith(title)]
+        assert len(found) == 1, f"{title}: {[(p.pid, _title(p)) for p in self.tree()]}"
+        return found[0]
+
+    def leftovers(self) -> list[int]:
+        """Processes of this server's tree that still run, however far they escaped."""
+        alive = []
+        for pid, started in self.seen.items():
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(pid)
+                if process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+        return alive
+
+    def signal(self, process: psutil.Process, signum: signal.Signals) -> None:
+        """Send `signum` to a process of this server's tree, and to nothing else."""
+        assert process.pid in self.seen and process.create_time() == self.seen[process.pid]
+        process.send_signal(signum)
+
+    async def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        """Until /health answers 200; fails at once, with the log, if the server exits."""
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    pytest.fail(f"vllm exited with {self.process.returncode}:\n{self.log_tail()}")
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(
+                        self.url + "/health", timeout=aiohttp.ClientTimeout(total=2)
+                    ) as response:
+                        if response.status == 200:
+                            self.tree()
+                            return
+                await asyncio.sleep(0.5)
+        pytest.fail(f"vllm not ready in {timeout:g}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """Kill the server's group, then any recorded process that left it."""
+        self.tree()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in self.leftovers():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _title(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline()) or process.name()
+    except psutil.Error:
+        return ""
+
+
+@contextlib.asynccontextmanager
+async def watching(
+    server: VllmServer,
+    workdir: Path,
+    mode: str = "enforce",
+    overrides: Mapping[str, Any] | None = None,
+) -> AsyncIterator[Watchdog]:
+    """A watchdog in this process attached to `server` by its port, receiving its spans."""
+    configure_logging("debug", (workdir / "watchdog.log").open("a"))
+    config = load_config(
+        environ={},
+        overrides=merge_layers(
+            merge_layers(
+                {
+                    "target": server.url,
+                    "mode": mode,
+                    "listen": "127.0.0.1:0",
+                    "state_dir": str(workdir / "watchdog"),
+                    "admin_token": ADMIN_TOKEN,
+                    "spans": {"otlp_listen": f"127.0.0.1:{server.otlp_port}"},
+                },
+                REAL_FAST,
+            ),
+            overrides or {},
+        ),
+    )
+    watchdog = Watchdog(config, SystemClock())
+    await watchdog.start()
+    try:
+        await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 30)
+        yield watchdog
+    finally:
+        await watchdog.stop()

@@ -1,0 +1,486 @@
+"""The deployment files: Dockerfile, Kubernetes manifests and the compose stack.
+
+No image is built and no cluster is reached here: the Dockerfile is checked statically,
+the Kubernetes manifests against the Kubernetes API schemas (`kubernetes-validate` ships
+them) and for the properties the watchdog relies on, and the compose stack for files it
+mounts and the configuration it hands Prometheus and Grafana.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+from test_alerts import run_promtool
+
+from omni_watchdog.config import ENV_PREFIX, describe_defaults, load_config, split_host_port
+from omni_watchdog.instrument import admin, telemetry
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+KUBERNETES = DEPLOY / "kubernetes"
+MAIN_MANIFEST = KUBERNETES / "vllm-omni.yaml"
+ADMIN_ONLY_MANIFEST = KUBERNETES / "admin-only" / "vllm-omni.yaml"
+PROMETHEUS_RULE = KUBERNETES / "prometheusrule.yaml"
+COMPOSE_DIR = DEPLOY / "compose"
+COMPOSE = COMPOSE_DIR / "compose.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+RULES = ROOT / "alerts" / "omni-watchdog.rules.yml"
+KUBERNETES_VERSION = "1.33.0"
+WATCHDOG_CONTAINER = "omni-watchdog"
+VLLM_CONTAINER = "vllm"
+# Variables the instrument plugin reads inside the served processes.
+PLUGIN_VARIABLES = {
+    telemetry.ENDPOINT_ENV,
+    telemetry.HEARTBEAT_INTERVAL_ENV,
+    admin.ADMIN_TOKEN_ENV,
+}
+# vLLM-Omni's own `vllm.general_plugins` entry point, which registers its models.
+OMNI_MODELS_PLUGIN = "vllm_omni_register_models"
+# What OmniWatchdogDown selects the watchdog's scrape job by.
+WATCHDOG_JOB = re.compile(r".*omni-watchdog.*")
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def deploy_yaml_files() -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
+
+
+def manifests() -> Iterator[tuple[Path, dict[str, Any]]]:
+    for path in sorted(KUBERNETES.rglob("*.yaml")):
+        for doc in documents(path):
+            yield path, doc
+
+
+def deployment(path: Path) -> dict[str, Any]:
+    (found,) = [doc for doc in documents(path) if doc["kind"] == "Deployment"]
+    return found
+
+
+def pod_spec(path: Path) -> dict[str, Any]:
+    spec: dict[str, Any] = deployment(path)["spec"]["template"]["spec"]
+    return spec
+
+
+def container(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    every: list[dict[str, Any]] = spec.get("initContainers", []) + spec["containers"]
+    (found,) = [c for c in every if c["name"] == name]
+    return found
+
+
+def environment(container_spec: dict[str, Any]) -> dict[str, str]:
+    """A container's variables; those read from a Secret get a stand-in value."""
+    return {var["name"]: var.get("value", "from-a-secret") for var in container_spec.get("env", [])}
+
+
+def config_variables() -> set[str]:
+    """Every `OMNI_WATCHDOG_*` variable that names a config field."""
+    return {ENV_PREFIX + name.replace(".", "_").upper() for name, _, _ in describe_defaults()}
+
+
+def api_port(env: dict[str, str]) -> int:
+    """The port of the watchdog's API (`/metrics`, `/v1/target/health`) with this environment."""
+    return split_host_port(load_config(environ=env).listen, "listen")[1]
+
+
+def otlp_port(env: dict[str, str]) -> int:
+    """The port of the watchdog's OTLP receiver with this environment."""
+    return split_host_port(load_config(environ=env).spans.otlp_listen, "spans.otlp_listen")[1]
+
+
+def check_watchdog_environment(env: dict[str, str]) -> None:
+    unknown = {name for name in env if name.startswith(ENV_PREFIX)} - config_variables()
+    assert not unknown, f"no config field is named by {sorted(unknown)}"
+    load_config(environ=env)
+
+
+def check_plugin_environment(env: dict[str, str]) -> None:
+    unknown = {name for name in env if name.startswith(ENV_PREFIX)} - PLUGIN_VARIABLES
+    assert not unknown, f"the instrument plugin reads no {sorted(unknown)}"
+    # Setting VLLM_PLUGINS drops every general plugin it does not name, vLLM-Omni's too.
+    assert {"omni_watchdog", OMNI_MODELS_PLUGIN} <= set(env["VLLM_PLUGINS"].split(","))
+
+
+# ---- every file ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", deploy_yaml_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_yaml_file_parses(path: Path) -> None:
+    loaded = documents(path)
+    assert loaded, f"{path} holds no document"
+    assert all(isinstance(doc, dict) for doc in loaded)
+
+
+# ---- the PrometheusRule ----------------------------------------------------------------
+
+
+def generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("deploy_generator", DEPLOY / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prometheus_rule_holds_the_groups_of_the_rules_file() -> None:
+    (rule,) = documents(PROMETHEUS_RULE)
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["kind"] == "PrometheusRule"
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+
+
+def test_prometheus_rule_is_fresh() -> None:
+    assert generator().main(["--check"]) == 0
+
+
+def test_check_mode_reports_a_stale_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = generator()
+    stale = tmp_path / "prometheusrule.yaml"
+    stale.write_text(PROMETHEUS_RULE.read_text().replace("OmniStageStalled", "Renamed"))
+    monkeypatch.setattr(module, "OUTPUT", stale)
+    assert module.main(["--check"]) == 1
+
+
+def test_prometheus_rule_passes_promtool(tmp_path: Path) -> None:
+    (rule,) = documents(PROMETHEUS_RULE)
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    result = run_promtool("check", "rules", rules_file)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---- Kubernetes ------------------------------------------------------------------------
+
+
+def kubernetes_validate() -> ModuleType:
+    """The schema validator; skips locally and fails in CI when it is not installed."""
+    try:
+        return importlib.import_module("kubernetes_validate")
+    except ImportError:
+        message = "kubernetes-validate is not installed (pip install kubernetes-validate)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.mark.parametrize(
+    "path, resource",
+    [
+        (path, doc)
+        for path, doc in manifests()
+        if not doc["apiVersion"].startswith("monitoring.coreos.com/")
+    ],
+    ids=lambda value: value["kind"] if isinstance(value, dict) else str(value.name),
+)
+def test_manifest_validates_against_the_kubernetes_schema(
+    path: Path, resource: dict[str, Any]
+) -> None:
+    validator = kubernetes_validate()
+    try:
+        validator.validate(resource, KUBERNETES_VERSION, strict=True)
+    except validator.ValidationError as error:
+        pytest.fail(f"{path.relative_to(ROOT)}: {resource['kind']}: {error.message}")
+
+
+def test_every_manifest_has_a_known_kind() -> None:
+    kinds = {(doc["apiVersion"], doc["kind"]) for _, doc in manifests()}
+    assert kinds == {
+        ("apps/v1", "Deployment"),
+        ("v1", "Service"),
+        ("monitoring.coreos.com/v1", "PodMonitor"),
+        ("monitoring.coreos.com/v1", "PrometheusRule"),
+    }
+
+
+@pytest.mark.parametrize("path", [MAIN_MANIFEST, ADMIN_ONLY_MANIFEST], ids=["shared", "admin"])
+def test_watchdog_is_a_native_sidecar_with_a_valid_config(path: Path) -> None:
+    spec = pod_spec(path)
+    watchdog = container(spec, WATCHDOG_CONTAINER)
+    assert watchdog in spec["initContainers"]
+    assert watchdog["restartPolicy"] == "Always"
+    env = environment(watchdog)
+    check_watchdog_environment(env)
+    ports = [port["containerPort"] for port in watchdog["ports"]]
+    assert ports == [api_port(env)]
+    # Kubernetes' runAsNonRoot needs a numeric non-root user.
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] != 0
+
+
+@pytest.mark.parametrize("path", [MAIN_MANIFEST, ADMIN_ONLY_MANIFEST], ids=["shared", "admin"])
+def test_vllm_runs_omni_on_a_gpu_with_the_plugin(path: Path) -> None:
+    spec = pod_spec(path)
+    vllm = container(spec, VLLM_CONTAINER)
+    assert vllm["command"][:2] == ["vllm", "serve"]
+    assert "--omni" in vllm["args"]
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = environment(vllm)
+    check_plugin_environment(env)
+    watchdog_env = environment(container(spec, WATCHDOG_CONTAINER))
+    receiver = otlp_port(watchdog_env)
+    assert env[telemetry.ENDPOINT_ENV] == f"http://127.0.0.1:{receiver}{telemetry.TRACES_PATH}"
+    # The plugin checks the token the watchdog sends: both read the same Secret key.
+    tokens = [
+        next(var["valueFrom"] for var in c["env"] if var["name"] == admin.ADMIN_TOKEN_ENV)
+        for c in (vllm, container(spec, WATCHDOG_CONTAINER))
+    ]
+    assert tokens[0] == tokens[1]
+    assert "secretKeyRef" in tokens[0]
+    assert vllm["startupProbe"]["failureThreshold"] * vllm["startupProbe"]["periodSeconds"] >= 600
+
+
+def test_shared_variant_probes_liveness_through_the_watchdog() -> None:
+    spec = pod_spec(MAIN_MANIFEST)
+    assert spec["shareProcessNamespace"] is True
+    watchdog_env = environment(container(spec, WATCHDOG_CONTAINER))
+    probe = container(spec, VLLM_CONTAINER)["livenessProbe"]["httpGet"]
+    assert probe["path"] == "/v1/target/health"
+    assert probe["port"] == api_port(watchdog_env)
+    config = load_config(environ=watchdog_env)
+    assert {"processes", "gpu"} <= set(config.probes.enabled)
+    capabilities = container(spec, WATCHDOG_CONTAINER)["securityContext"]["capabilities"]
+    assert "SYS_PTRACE" in capabilities["add"]
+
+
+def test_admin_only_variant_needs_no_shared_namespace_nor_privileges() -> None:
+    spec = pod_spec(ADMIN_ONLY_MANIFEST)
+    assert not spec.get("shareProcessNamespace", False)
+    watchdog = container(spec, WATCHDOG_CONTAINER)
+    assert "add" not in watchdog["securityContext"]["capabilities"]
+    config = load_config(environ=environment(watchdog))
+    assert not {"processes", "gpu"} & set(config.probes.enabled)
+    assert config.probes.gpu_backend == "none"
+    assert "shutdown" in config.ladder.steps
+    assert not {"terminate", "kill"} & set(config.ladder.steps)
+
+
+def test_pod_monitor_scrapes_the_watchdog_port_of_the_pods() -> None:
+    (monitor,) = [doc for _, doc in manifests() if doc["kind"] == "PodMonitor"]
+    assert WATCHDOG_JOB.fullmatch(monitor["metadata"]["name"])
+    template = deployment(MAIN_MANIFEST)["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    watchdog = container(template["spec"], WATCHDOG_CONTAINER)
+    port_names = {port["name"] for port in watchdog["ports"]}
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert endpoint["port"] in port_names
+        assert endpoint["path"] == "/metrics"
+
+
+def test_service_targets_the_pods_ports() -> None:
+    (service,) = [doc for doc in documents(MAIN_MANIFEST) if doc["kind"] == "Service"]
+    template = deployment(MAIN_MANIFEST)["spec"]["template"]
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    spec = template["spec"]
+    names = {
+        port["name"]
+        for c in spec["containers"] + spec["initContainers"]
+        for port in c.get("ports", [])
+    }
+    assert {port["targetPort"] for port in service["spec"]["ports"]} <= names
+
+
+# ---- compose ---------------------------------------------------------------------------
+
+
+def compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return loaded
+
+
+def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> host path of a service's bind mounts (named volumes left out)."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith((".", "/")):
+            mounts[target] = (COMPOSE_DIR / source).resolve()
+    return mounts
+
+
+def host_path(service: dict[str, Any], container_path: str) -> Path:
+    """Where a path inside a service's container comes from on the host."""
+    for target, source in bind_mounts(service).items():
+        if container_path == target or container_path.startswith(target.rstrip("/") + "/"):
+            return source / os.path.relpath(container_path, target)
+    raise AssertionError(f"{container_path} is not mounted from the repository")
+
+
+def test_compose_bind_mounts_and_build_context_exist() -> None:
+    services = compose()["services"]
+    for name, service in services.items():
+        for source in bind_mounts(service).values():
+            assert source.exists(), f"{name}: {source} does not exist"
+        if "build" in service:
+            context = (COMPOSE_DIR / service["build"]["context"]).resolve()
+            assert (context / service["build"].get("dockerfile", "Dockerfile")).is_file()
+    named = {
+        volume.split(":")[0]
+        for service in services.values()
+        for volume in service.get("volumes", [])
+        if not volume.startswith((".", "/"))
+    }
+    assert named == set(compose()["volumes"])
+
+
+def test_compose_watchdog_shares_the_servers_pid_namespace() -> None:
+    services = compose()["services"]
+    watchdog = services["watchdog"]
+    assert watchdog["pid"] == "service:vllm"
+    assert watchdog["network_mode"] == "service:vllm"
+    assert "SYS_PTRACE" in watchdog["cap_add"]
+    env = {name: str(value) for name, value in watchdog["environment"].items()}
+    check_watchdog_environment(env)
+    api = api_port(env)
+    vllm = services["vllm"]
+    assert f"{api}:{api}" in vllm["ports"]
+    vllm_env = {name: str(value) for name, value in vllm["environment"].items()}
+    check_plugin_environment(vllm_env)
+    receiver = otlp_port(env)
+    assert vllm_env[telemetry.ENDPOINT_ENV].startswith(f"http://127.0.0.1:{receiver}/")
+    assert "--omni" in vllm["command"]
+
+
+def test_compose_prometheus_loads_the_rules_and_scrapes_the_watchdog(tmp_path: Path) -> None:
+    prometheus = compose()["services"]["prometheus"]
+    config_path = host_path(prometheus, "/etc/prometheus/prometheus.yml")
+    config = yaml.safe_load(config_path.read_text())
+    rule_files = [host_path(prometheus, rule) for rule in config["rule_files"]]
+    assert rule_files == [RULES.resolve()]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    watchdog_jobs = [name for name in jobs if WATCHDOG_JOB.fullmatch(name)]
+    assert watchdog_jobs
+    targets = jobs[watchdog_jobs[0]]["static_configs"][0]["targets"]
+    assert targets == ["vllm:9464"]
+    # promtool checks the configuration with the rule files where the container sees them.
+    config["rule_files"] = [str(path) for path in rule_files]
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(config))
+    result = run_promtool("check", "config", local)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_grafana_provisions_the_datasource_and_the_dashboard() -> None:
+    grafana = compose()["services"]["grafana"]
+    provisioning = host_path(grafana, "/etc/grafana/provisioning")
+    (datasources,) = documents(provisioning / "datasources" / "prometheus.yml")
+    (datasource,) = datasources["datasources"]
+    assert datasource["type"] == "prometheus"
+    assert datasource["url"] == "http://prometheus:9090"
+    (providers,) = documents(provisioning / "dashboards" / "omni-watchdog.yml")
+    (provider,) = providers["providers"]
+    folder = host_path(grafana, provider["options"]["path"])
+    dashboard = json.loads((folder / "omni-watchdog.json").read_text())
+    # The dashboard picks any Prometheus data source, so the provisioned one fits.
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["query"] == datasource["type"]
+
+
+# ---- the Dockerfile --------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    instructions = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            word, _, rest = stripped.partition(" ")
+            instructions.append((word.upper(), rest.strip()))
+    return instructions
+
+
+def stages() -> list[tuple[str, list[tuple[str, str]]]]:
+    """The build stages by name, each with its instructions."""
+    found: list[tuple[str, list[tuple[str, str]]]] = []
+    for word, rest in dockerfile_instructions():
+        if word == "FROM":
+            found.append((rest.split()[-1] if " AS " in rest.upper() else "", []))
+        elif found:
+            found[-1][1].append((word, rest))
+    return found
+
+
+def docker_ignored(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore leaves `path` out of the build context (last match wins)."""
+    ignored = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        body = pattern.lstrip("!").rstrip("/")
+        if fnmatch.fnmatch(path, body) or path.startswith(body + "/"):
+            ignored = not negated
+    return ignored
+
+
+def test_dockerfile_builds_a_wheel_then_a_slim_runtime() -> None:
+    names = [name for name, _ in stages()]
+    assert names == ["build", "runtime"]
+    build, runtime = (body for _, body in stages())
+    assert any(word == "RUN" and "pip wheel" in rest for word, rest in build)
+    assert any(word == "COPY" and rest.startswith("--from=build") for word, rest in runtime)
+    bases = [rest for word, rest in dockerfile_instructions() if word == "FROM"]
+    assert all("-slim" in base for base in bases)
+
+
+def test_dockerfile_runs_as_a_non_root_user_with_a_healthcheck() -> None:
+    runtime = stages()[-1][1]
+    users = [rest for word, rest in runtime if word == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    assert users[-1].isdigit(), "runAsNonRoot can only check a numeric user"
+    (healthcheck,) = [rest for word, rest in runtime if word == "HEALTHCHECK"]
+    assert "/healthz" in healthcheck
+    assert ("ENTRYPOINT", '["omni-watchdog"]') in runtime
+    (command,) = [json.loads(rest) for word, rest in runtime if word == "CMD"]
+    assert command[0] == "run"
+
+
+def test_dockerfile_environment_is_a_valid_config() -> None:
+    runtime = stages()[-1][1]
+    env: dict[str, str] = {}
+    for word, rest in runtime:
+        if word == "ENV":
+            for item in shlex.split(rest):
+                name, _, value = item.partition("=")
+                env[name] = value
+    check_watchdog_environment(env)
+    exposed = {int(port) for word, rest in runtime if word == "EXPOSE" for port in rest.split()}
+    assert api_port(env) in exposed
+    assert otlp_port(env) in exposed
+
+
+def test_dockerfile_copies_only_what_exists_in_the_build_context() -> None:
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    sources = []
+    for word, rest in dockerfile_instructions():
+        if word == "COPY" and not rest.startswith("--from="):
+            sources += rest.split()[:-1]
+    assert sources
+    for source in sources:
+        assert (ROOT / source).exists(), f"COPY {source}: no such file"
+        assert not docker_ignored(source, patterns), f"COPY {source}: left out by .dockerignore"
+
+
+def test_py_spy_comes_with_the_package() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^\s*"py-spy[>=<]', pyproject, re.MULTILINE)
+    runtime = " ".join(rest for word, rest in stages()[-1][1] if word == "RUN")
+    assert "pip install" in runtime and "omni-watchdog" in runtime
