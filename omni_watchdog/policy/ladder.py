@@ -235,11 +235,15 @@ class LadderRunner:
         if not blind and snapshot.root is None:
             return StepOutcome.SKIPPED, "no server process was recorded; nothing to ask"
         if snapshot.root is not None and not self._alive(snapshot.root):
-            return StepOutcome.SKIPPED, f"{EXITED_BY_ITSELF} before the ladder reached it"
+            return StepOutcome.SKIPPED, await self._after_self_exit(
+                snapshot, f"{EXITED_BY_ITSELF} before the ladder reached it"
+            )
         if snapshot.server_reports_failure and snapshot.root is not None:
             grace = self._config.self_exit_grace
             if await self._wait_exit(snapshot.root, grace):
-                return StepOutcome.SKIPPED, f"{EXITED_BY_ITSELF} within {grace:g}s of its 503"
+                return StepOutcome.SKIPPED, await self._after_self_exit(
+                    snapshot, f"{EXITED_BY_ITSELF} within {grace:g}s of its 503"
+                )
         answer = await self._actuators.request_shutdown(
             self._admin_url,
             self._config.admin_method,
@@ -361,6 +365,14 @@ class LadderRunner:
 
     def _survivors(self, snapshot: TargetSnapshot) -> list[ProcessInfo]:
         return [p for p in snapshot.processes if self._alive(p.identity)]
+
+    async def _after_self_exit(self, snapshot: TargetSnapshot, what: str) -> str:
+        """The rest of a server that left by itself follows it (a parent-death signal, its
+        own shutdown) within a moment: wait for that before anything is signalled."""
+        if await self._wait_gone(snapshot, self._config.shutdown_grace):
+            return f"{what}; the rest of its tree followed"
+        left = ", ".join(str(p.pid) for p in self._survivors(snapshot))
+        return f"{what}; left behind: {left}"
 
     async def _wait_exit(self, identity: ProcessIdentity, grace: float) -> bool:
         deadline = self._clock.monotonic() + grace
