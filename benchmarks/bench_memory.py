@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,8 +26,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import record
+from watchdog_process import start_watchdog
 
-from omni_watchdog.demo import example_config, free_port
+from omni_watchdog.demo import free_port
 from omni_watchdog.instrument.telemetry import ADMITTED_SPAN
 
 SECTION = "Memory"
@@ -73,38 +72,6 @@ def admitted_body(first: int, count: int) -> bytes:
             path.value.array_value.values.add().int_value = stage
         span.attributes.append(path)
     return request.SerializeToString()
-
-
-def start_watchdog(workdir: Path, api_port: int, otlp_port: int) -> subprocess.Popen[bytes]:
-    """`omni-watchdog run` watching a port where no server listens."""
-    command = Path(sys.executable).with_name("omni-watchdog")
-    log = (workdir / "watchdog.log").open("ab")
-    return subprocess.Popen(
-        [
-            str(command),
-            "run",
-            "--target",
-            f"http://127.0.0.1:{free_port()}",
-            "--mode",
-            "observe",
-            "--gpu-backend",
-            "none",
-            "--listen",
-            f"127.0.0.1:{api_port}",
-            "--otlp-listen",
-            f"127.0.0.1:{otlp_port}",
-            "--state-dir",
-            str(workdir / "watchdog"),
-            "--stage-config",
-            str(example_config("0.11")),
-            # A queue that holds the whole burst, so that none of it is refused with 503.
-            "--set",
-            f"spans.queue_size={REQUESTS // BATCH * 2}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_WATCHDOG_")},
-    )
 
 
 async def in_flight(session: aiohttp.ClientSession, api_url: str) -> int:
@@ -164,7 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="omni-bench-memory-"))
     api_port, otlp_port = free_port(), free_port()
-    watchdog = start_watchdog(workdir, api_port, otlp_port)
+    watchdog = start_watchdog(
+        workdir,
+        f"http://127.0.0.1:{free_port()}",
+        api_port,
+        otlp_port,
+        # A queue that holds the whole burst, so that none of it is refused with 503.
+        [f"spans.queue_size={REQUESTS // BATCH * 2}"],
+    )
     try:
         before, after = asyncio.run(measure(psutil.Process(watchdog.pid), api_port, otlp_port))
     finally:

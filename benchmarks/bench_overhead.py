@@ -16,7 +16,6 @@ import asyncio
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,8 +26,9 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import record
+from watchdog_process import start_watchdog
 
-from omni_watchdog.demo import SimProcess, example_config, free_port
+from omni_watchdog.demo import SimProcess, free_port
 from omni_watchdog.instrument.telemetry import ENDPOINT_ENV, STANDARD_ENDPOINT_ENV
 
 SECTION = "Plugin overhead"
@@ -40,39 +40,6 @@ REQUEST = {
     "stream": False,
 }
 _SPANS_RECEIVED = re.compile(rb"^omni_watchdog_spans_received_total (\S+)$", re.MULTILINE)
-
-
-def start_watchdog(
-    workdir: Path, target: str, generation: str, api_port: int, otlp_port: int
-) -> subprocess.Popen[bytes]:
-    """`omni-watchdog run` in observe mode with only its span receiver probing."""
-    command = Path(sys.executable).with_name("omni-watchdog")
-    log = (workdir / "watchdog.log").open("ab")
-    return subprocess.Popen(
-        [
-            str(command),
-            "run",
-            "--target",
-            target,
-            "--mode",
-            "observe",
-            "--gpu-backend",
-            "none",
-            "--listen",
-            f"127.0.0.1:{api_port}",
-            "--otlp-listen",
-            f"127.0.0.1:{otlp_port}",
-            "--state-dir",
-            str(workdir / "watchdog"),
-            "--stage-config",
-            str(example_config(generation)),
-            "--set",
-            "probes.enabled=spans",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_WATCHDOG_")},
-    )
 
 
 async def healthy(session: aiohttp.ClientSession, url: str) -> bool:
@@ -159,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     sim_args = ["--token-delay", str(args.token_delay)]
     instrumented_port = free_port()
     target = f"http://127.0.0.1:{instrumented_port}"
-    watchdog = start_watchdog(workdir, target, args.generation, api_port, otlp_port)
+    watchdog = start_watchdog(
+        workdir, target, api_port, otlp_port, ["probes.enabled=spans"], args.generation
+    )
     servers: list[SimProcess] = []
     try:
         endpoint = f"http://127.0.0.1:{otlp_port}/v1/traces"
