@@ -68,6 +68,7 @@ logger = logging.getLogger("omni_watchdog.app")
 _EVALUATE_EVERY = 0.25
 _SPANS_EVERY = 0.1
 _CANARY_CHECK_EVERY = 0.25
+_ANSWERED = frozenset({HealthOutcome.OK.value, HealthOutcome.UNHEALTHY.value})
 
 
 @dataclass
@@ -203,6 +204,7 @@ class Watchdog:
             self.clock,
             config.resolved_admin_url(),
             config.admin_token,
+            server_gone=self._server_gone,
         )
         self.policy = Policy(
             config.mode,
@@ -272,6 +274,24 @@ class Watchdog:
 
     def detector_last_progress(self) -> float | None:
         return self.detector.last_progress()
+
+    @property
+    def target_up(self) -> bool:
+        """The server's root process is alive; without the process probe, /health answers.
+
+        Without the server's PID namespace no process is ever visible, and "up" can only
+        mean that the server answers at all (a 503 is an answer: its stages are judged
+        elsewhere).
+        """
+        if "processes" in self.config.probes.enabled:
+            return self.tracker.target_alive
+        health = self.last_health
+        return health is not None and health.outcome in _ANSWERED
+
+    def _server_gone(self) -> bool:
+        """Nothing listens on the server's port: its last /health call was refused."""
+        health = self.last_health
+        return health is not None and health.outcome == HealthOutcome.REFUSED.value
 
     def snapshot(self, processes: tuple[ProcessInfo, ...] | None = None) -> TargetSnapshot:
         recorded = self.tracker.recorded() if processes is None else processes
@@ -414,7 +434,7 @@ class Watchdog:
                 )
             self.stats.count_verdicts(report.verdicts)
             self.policy.on_report(report, self.snapshot)
-            for incident in self.stats.closed_incidents(self.policy.incidents()):
+            for incident in self.stats.count_incidents(self.policy.incidents()):
                 if self.traces is not None:
                     self.traces.export(incident)
             await asyncio.sleep(_EVALUATE_EVERY)

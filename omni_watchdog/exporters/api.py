@@ -63,7 +63,7 @@ def status_of(watchdog: Watchdog) -> dict[str, Any]:
         "target": {
             "url": watchdog.config.target,
             "pid": root.pid if root else None,
-            "alive": watchdog.tracker.target_alive,
+            "alive": watchdog.target_up,
             "generation": watchdog.tracker.generation,
             "warmed_up": bool(report and report.warmed_up),
             "health": None
@@ -108,9 +108,10 @@ def status_of(watchdog: Watchdog) -> dict[str, Any]:
 def target_health(watchdog: Watchdog) -> tuple[int, str]:
     """200 only while every stage is healthy or degraded; else 503 and the reason."""
     report = watchdog.last_report
-    sees_processes = "processes" in watchdog.config.probes.enabled
-    if sees_processes and not watchdog.tracker.target_alive:
-        return 503, "target server process not found"
+    if not watchdog.target_up:
+        if "processes" in watchdog.config.probes.enabled:
+            return 503, "target server process not found"
+        return 503, "target server does not answer /health"
     if report is None:
         return 503, "no evaluation yet"
     bad = [s for s in report.statuses if s.state not in _LIVE_STATES]

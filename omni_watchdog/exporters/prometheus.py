@@ -35,6 +35,7 @@ from omni_watchdog.types import (
     StageState,
     StepName,
     StepOutcome,
+    StepResult,
     Verdict,
 )
 
@@ -62,7 +63,12 @@ LIVE_STATUSES = tuple(s for s in ProcessStatus if s is not ProcessStatus.EXITED)
 # name (after the prefix), type and help of every family.
 FAMILIES = (
     ("build_info", "gauge", "The watchdog's version and Python version; always 1."),
-    ("target_up", "gauge", "Whether the target server's root process is alive."),
+    (
+        "target_up",
+        "gauge",
+        "Whether the target server is up: its root process is alive or, without the "
+        "process probe, its /health answers.",
+    ),
     ("target_warmed_up", "gauge", "Whether the target's start-up grace is over."),
     ("target_health_status", "gauge", "The outcome of the last call to the target's /health."),
     ("target_liveness", "gauge", "Whether /v1/target/health would answer 200 now."),
@@ -253,6 +259,7 @@ class WatchdogStats:
     gpu_devices: dict[int, tuple[float, float | None]] = field(default_factory=dict)
     gpu_processes: list[GpuProcessReading] = field(default_factory=list)
     _counted: set[str] = field(default_factory=set)
+    _steps_counted: dict[str, int] = field(default_factory=dict)
 
     def observe(self, observations: Iterable[Observation]) -> None:
         """Stage span durations, and the GPU probe's latest reading (one probe run)."""
@@ -286,31 +293,45 @@ class WatchdogStats:
 
     def ignore_closed(self, incidents: Iterable[Incident]) -> None:
         """Incidents a previous watchdog closed (from the journal) are not counted again."""
-        self._counted.update(i.incident_id for i in incidents if i.closed is not None)
+        for incident in incidents:
+            if incident.closed is not None:
+                self._counted.add(incident.incident_id)
+                self._steps_counted[incident.incident_id] = len(incident.steps)
 
-    def closed_incidents(self, incidents: Iterable[Incident]) -> list[Incident]:
-        """Count the incidents that closed since the last call, and return them."""
-        closed = [
-            i for i in incidents if i.closed is not None and i.incident_id not in self._counted
-        ]
-        for incident in closed:
+    def count_incidents(self, incidents: Iterable[Incident]) -> list[Incident]:
+        """Count each ladder step as it ends and each incident as it closes.
+
+        Steps are counted while their incident is still open, so that a ladder that is
+        stuck or slow shows in `ladder_steps_total` before it finishes. Returns the
+        incidents that closed since the last call.
+        """
+        closed = []
+        for incident in incidents:
+            counted = self._steps_counted.get(incident.incident_id, 0)
+            for step in incident.steps[counted:]:
+                self._count_step(step)
+            self._steps_counted[incident.incident_id] = len(incident.steps)
+            if incident.closed is None or incident.incident_id in self._counted:
+                continue
+            closed.append(incident)
             self._counted.add(incident.incident_id)
             self.incidents[incident.outcome] = self.incidents.get(incident.outcome, 0) + 1
-            for step in incident.steps:
-                key = (step.step, step.outcome)
-                self.ladder_steps[key] = self.ladder_steps.get(key, 0) + 1
-                # A planned step did nothing; its zero duration would only flatten the buckets.
-                if step.outcome is not StepOutcome.PLANNED:
-                    histogram = self.step_durations.get(step.step)
-                    if histogram is None:
-                        histogram = self.step_durations[step.step] = Histogram(LADDER_STEP_BUCKETS)
-                    histogram.observe(step.duration)
             timeline = incident.timeline
             begun = timeline.get("verdict", timeline.get("opened"))
             released = timeline.get("released")
             if begun is not None and released is not None:
                 self.verdict_to_release.observe(max(0.0, released - begun))
         return closed
+
+    def _count_step(self, step: StepResult) -> None:
+        key = (step.step, step.outcome)
+        self.ladder_steps[key] = self.ladder_steps.get(key, 0) + 1
+        # A planned step did nothing; its zero duration would only flatten the buckets.
+        if step.outcome is not StepOutcome.PLANNED:
+            histogram = self.step_durations.get(step.step)
+            if histogram is None:
+                histogram = self.step_durations[step.step] = Histogram(LADDER_STEP_BUCKETS)
+            histogram.observe(step.duration)
 
 
 class MetricsExposition:
@@ -400,7 +421,7 @@ class MetricsExposition:
         report = watchdog.last_report
         health = watchdog.last_health
         out += (_HEADERS["build_info"], self._build_info)
-        out += (_HEADERS["target_up"], f"{PREFIX}target_up {int(watchdog.tracker.target_alive)}")
+        out += (_HEADERS["target_up"], f"{PREFIX}target_up {int(watchdog.target_up)}")
         warm = int(report is not None and report.warmed_up)
         out += (_HEADERS["target_warmed_up"], f"{PREFIX}target_warmed_up {warm}")
         out.append(_HEADERS["target_health_status"])

@@ -24,6 +24,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
+from omni_watchdog.instrument.export import WatchdogSpanExporter
+
 logger = logging.getLogger(__name__)
 
 ENDPOINT_ENV = "OMNI_WATCHDOG_OTLP_ENDPOINT"
@@ -39,9 +41,11 @@ ADMITTED_SPAN = "omni.request.admitted"
 STAGE_REQUEST_SPAN = "omni.stage.request"
 LOOP_SPAN = "omni.stage.loop"
 
-# A heartbeat must reach the watchdog within about a second: the export thread wakes this
-# often, and one export to a loopback collector takes milliseconds.
-SCHEDULE_DELAY_S = 0.25
+# A heartbeat reaches the watchdog at most this long after the beat, which keeps the gap
+# between two arrivals (interval + delay) well inside the default 3 s heartbeat timeout.
+# Every wake-up that finds spans costs one export taken from the watched process, so it is
+# no shorter than that margin needs.
+SCHEDULE_DELAY_S = 0.5
 # Bounded memory when the collector is down; about a minute of a busy stage's spans.
 MAX_QUEUE_SIZE = 2048
 MAX_EXPORT_BATCH_SIZE = 512
@@ -221,16 +225,10 @@ class StageTelemetry:
         if process_kind not in PROCESS_KINDS:
             logger.warning("omni-watchdog: unknown process kind %r", process_kind)
         exporter: SpanExporter | None = None
-        endpoint = traces_endpoint(env)
-        if endpoint is not None:
-            try:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
-
-                exporter = OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S)
-            except Exception:
-                logger.warning("omni-watchdog: no OTLP exporter, spans disabled", exc_info=True)
+        try:
+            exporter = _exporter(env)
+        except Exception:
+            logger.warning("omni-watchdog: no OTLP exporter, spans disabled", exc_info=True)
         try:
             return cls(
                 exporter,
@@ -351,13 +349,30 @@ class StageTelemetry:
             logger.debug("telemetry shutdown failed", exc_info=True)
 
 
+def _own_endpoint(environ: Mapping[str, str]) -> str | None:
+    own = environ.get(ENDPOINT_ENV, "").strip()
+    if not own:
+        return None
+    return own if urlsplit(own).path not in ("", "/") else own.rstrip("/") + TRACES_PATH
+
+
 def traces_endpoint(environ: Mapping[str, str]) -> str | None:
     """The OTLP/HTTP traces URL to export to, or None when none is configured."""
-    own = environ.get(ENDPOINT_ENV, "").strip()
-    if own:
-        parts = urlsplit(own)
-        return own if parts.path not in ("", "/") else own.rstrip("/") + TRACES_PATH
-    return environ.get(STANDARD_ENDPOINT_ENV, "").strip() or None
+    return _own_endpoint(environ) or environ.get(STANDARD_ENDPOINT_ENV, "").strip() or None
+
+
+def _exporter(environ: Mapping[str, str]) -> SpanExporter | None:
+    """The watchdog's own lean exporter for its endpoint; the SDK's for a general collector."""
+    own = _own_endpoint(environ)
+    if own is not None:
+        return WatchdogSpanExporter(own, timeout_s=EXPORT_TIMEOUT_S)
+    standard = traces_endpoint(environ)
+    if standard is None:
+        return None
+    # The SDK's exporter reads the rest of `OTEL_EXPORTER_OTLP_*` (headers, TLS, compression).
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=standard, timeout=EXPORT_TIMEOUT_S)
 
 
 def heartbeat_interval(environ: Mapping[str, str]) -> float:

@@ -131,7 +131,10 @@ class LadderRunner:
         admin_url: str,
         admin_token: str,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        server_gone: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`server_gone` tells whether nothing listens on the server's port any more: the
+        only sign of its exit when none of its processes is visible."""
         self._steps = steps
         self._config = config
         self._actuators = actuators
@@ -142,6 +145,7 @@ class LadderRunner:
         self._admin_url = admin_url
         self._admin_token = admin_token
         self._sleep = sleep
+        self._server_gone = server_gone
 
     async def run(
         self,
@@ -186,12 +190,6 @@ class LadderRunner:
         verify = next((s for s in incident.steps if s.step is StepName.VERIFY), None)
         if verify is None or verify.outcome is StepOutcome.FAILED:
             return IncidentOutcome.FAILED
-        if verify.outcome is StepOutcome.SKIPPED:
-            # Nothing of the server is visible: only an accepted shutdown counts as done.
-            done = recovered_by or next(
-                (s.step for s in incident.steps if s.outcome is StepOutcome.RECOVERED), None
-            )
-            return _RECOVERED_BY[done] if done else IncidentOutcome.FAILED
         if verify.outcome is not StepOutcome.OK:
             return IncidentOutcome.LEAKED
         if recovered_by is None:
@@ -255,7 +253,7 @@ class LadderRunner:
         if blind:
             return StepOutcome.RECOVERED, (
                 f"{answer.detail}; the server's processes are not visible from here,"
-                " so its exit is not confirmed"
+                " so only its port can confirm the exit"
             )
         gone = await self._wait_gone(snapshot, self._config.shutdown_grace)
         if gone:
@@ -305,7 +303,7 @@ class LadderRunner:
 
     async def _verify(self, snapshot: TargetSnapshot, timeout: float) -> tuple[StepOutcome, str]:
         if not snapshot.processes:
-            return StepOutcome.SKIPPED, "no process of the server is visible; nothing to verify"
+            return await self._verify_port(timeout)
         deadline = self._clock.monotonic() + timeout
         while True:
             survivors = self._survivors(snapshot)
@@ -319,6 +317,21 @@ class LadderRunner:
             left = ", ".join(f"{p.pid} ({p.title})" for p in survivors)
             return StepOutcome.FAILED, f"still alive after {timeout:g}s: {left}; {memory_note}"
         return StepOutcome.NOT_RECOVERED, f"processes gone but {memory_note}"
+
+    async def _verify_port(self, timeout: float) -> tuple[StepOutcome, str]:
+        """Without the server's processes in view, its port going quiet is the exit."""
+        deadline = self._clock.monotonic() + timeout
+        while not self._server_gone():
+            if self._clock.monotonic() >= deadline:
+                return StepOutcome.FAILED, (
+                    f"the server still answers on its port {timeout:g}s later; its processes"
+                    " are not visible from here"
+                )
+            await self._sleep(_POLL)
+        return StepOutcome.OK, (
+            "nothing listens on the server's port any more; its processes and GPU memory are"
+            " not visible from here"
+        )
 
     async def _memory_released(self, snapshot: TargetSnapshot) -> tuple[bool, str]:
         reading = await self._read_gpu()

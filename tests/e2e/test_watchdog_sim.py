@@ -26,7 +26,9 @@ from e2e.harness import (
     with_fault,
 )
 
+from omni_watchdog.config import merge_layers
 from omni_watchdog.demo import attached, wait_for
+from omni_watchdog.exporters.api import target_health
 from omni_watchdog.log import configure_logging
 from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
 
@@ -254,3 +256,45 @@ def test_frozen_engine_is_detected_from_canary_and_process_state(
         assert_released(incident)
 
     run(tmp_path, ["1:frozen-engine"], generation, body)
+
+
+# The admin-endpoint-only deployment: no shared PID namespace, so nothing to signal.
+NETWORK_ONLY = merge_layers(
+    FAST,
+    {
+        "probes": {"enabled": ["spans", "metrics", "health", "canary"], "gpu_backend": "none"},
+        "ladder": {"steps": ["capture", "shutdown", "verify"]},
+    },
+)
+
+
+def test_without_the_process_probe_the_admin_endpoint_ends_a_stall(tmp_path: Path) -> None:
+    configure_logging("debug", (tmp_path / "watchdog.log").open("a"))
+
+    async def scenario() -> tuple[Any, bool, int]:
+        async with attached(
+            tmp_path, ["0:silent-stall"], "0.30", "enforce", NETWORK_ONLY, None, SIM_ENV
+        ) as (watchdog, server):
+            await warmed_up(watchdog)
+            up_before = watchdog.target_up
+            in_background(server.url)
+            incident = await incident_done(watchdog)
+            status, _ = target_health(watchdog)
+            # Without a PID namespace of its own the simulated server's deadlocked stage
+            # outlives its API, as it would not in a pod: the container's end takes it.
+            # The test's own clean-up stops it.
+            return incident, up_before and not watchdog.target_up, status
+
+    incident, up_then_down, health_status = asyncio.run(scenario())
+    assert up_then_down, "with no process visible, /health answering is what 'up' means"
+    assert incident.verdicts[0].stage.stage_id == 0
+    assert incident.verdicts[0].state is StageState.STALLED
+    shutdown = step(incident, StepName.SHUTDOWN)
+    assert shutdown.outcome is StepOutcome.RECOVERED
+    assert "only its port can confirm the exit" in shutdown.detail
+    verify = step(incident, StepName.VERIFY)
+    assert verify.outcome is StepOutcome.OK
+    assert "nothing listens on the server's port" in verify.detail
+    assert step(incident, StepName.TERMINATE) is None
+    assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN
+    assert health_status == 503

@@ -7,6 +7,7 @@ instead of comparing with it (then review the diff).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_watchdog.config import ProbesConfig, WatchdogConfig
 from omni_watchdog.exporters.api import build_api
 from omni_watchdog.exporters.prometheus import (
     CONTENT_TYPE,
@@ -28,6 +30,8 @@ from omni_watchdog.exporters.prometheus import (
 from omni_watchdog.types import (
     Evidence,
     EvidenceKind,
+    HealthOutcome,
+    IncidentOutcome,
     Observation,
     ObservationKind,
     StageRef,
@@ -36,7 +40,12 @@ from omni_watchdog.types import (
     StepOutcome,
     Verdict,
 )
-from tests.exporters.watchdog_state import FakeWatchdog, fake_watchdog, scripted_incidents
+from tests.exporters.watchdog_state import (
+    START,
+    FakeWatchdog,
+    fake_watchdog,
+    scripted_incidents,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
 UPDATE_GOLDEN = os.environ.get("OMNI_WATCHDOG_UPDATE_GOLDEN") == "1"
@@ -188,9 +197,32 @@ def test_a_closed_incident_is_counted_once_and_journal_ones_never() -> None:
     stats = WatchdogStats()
     old, new, still_open = scripted_incidents()
     stats.ignore_closed([old])
-    assert stats.closed_incidents([old, new, still_open]) == [new]
-    assert stats.closed_incidents([old, new, still_open]) == []
+    assert stats.count_incidents([old, new, still_open]) == [new]
+    assert stats.count_incidents([old, new, still_open]) == []
     assert sum(stats.incidents.values()) == 1
+    assert sum(stats.ladder_steps.values()) == len(new.steps)
+
+
+def test_each_ladder_step_is_counted_as_it_ends_not_when_the_incident_closes() -> None:
+    stats = WatchdogStats()
+    finished = scripted_incidents()[0]
+    capture, shutdown, terminate, _ = finished.steps
+    running = dataclasses.replace(finished, steps=(capture,), outcome=IncidentOutcome.OPEN)
+    running = dataclasses.replace(running, closed=None)
+    assert stats.count_incidents([running]) == []
+    assert stats.ladder_steps == {(StepName.CAPTURE, StepOutcome.OK): 1}
+    assert stats.step_durations[StepName.CAPTURE].total == capture.duration
+    running = dataclasses.replace(running, steps=(capture, shutdown, terminate))
+    stats.count_incidents([running])
+    assert stats.ladder_steps == {
+        (StepName.CAPTURE, StepOutcome.OK): 1,
+        (StepName.SHUTDOWN, StepOutcome.UNREACHABLE): 1,
+        (StepName.TERMINATE, StepOutcome.RECOVERED): 1,
+    }
+    assert stats.incidents == {}
+    assert stats.count_incidents([finished]) == [finished]
+    assert sum(stats.ladder_steps.values()) == 4
+    assert stats.incidents == {IncidentOutcome.RECOVERED_BY_TERM: 1}
 
 
 def test_verdicts_count_each_kind_of_evidence_once() -> None:
@@ -234,3 +266,32 @@ def test_the_api_serves_metrics_in_the_text_format(watchdog: FakeWatchdog) -> No
     assert status == 200
     assert content_type == CONTENT_TYPE
     assert masked(body) == GOLDEN.read_text()
+
+
+WITH_PROCESSES = ["spans", "metrics", "health", "canary", "processes", "gpu"]
+# The admin-endpoint-only deployment: no shared PID namespace, so no process probe.
+NETWORK_ONLY = ["spans", "metrics", "health", "canary"]
+
+
+@pytest.mark.parametrize(
+    ("probes", "root_alive", "health", "up"),
+    [
+        (WITH_PROCESSES, True, HealthOutcome.REFUSED, 1),
+        (WITH_PROCESSES, False, HealthOutcome.OK, 0),
+        (NETWORK_ONLY, False, HealthOutcome.OK, 1),
+        (NETWORK_ONLY, False, HealthOutcome.UNHEALTHY, 1),
+        (NETWORK_ONLY, True, HealthOutcome.REFUSED, 0),
+        (NETWORK_ONLY, True, HealthOutcome.TIMEOUT, 0),
+        (NETWORK_ONLY, True, None, 0),
+    ],
+)
+def test_target_up_is_the_root_process_or_without_the_process_probe_health(
+    probes: list[str], root_alive: bool, health: HealthOutcome | None, up: int
+) -> None:
+    watchdog = fake_watchdog()
+    watchdog.config = WatchdogConfig(probes=ProbesConfig(enabled=probes))
+    watchdog.tracker.target_alive = root_alive
+    watchdog.last_health = (
+        None if health is None else Observation(ObservationKind.HEALTH, START, outcome=health.value)
+    )
+    assert samples(rendered(watchdog))[("omni_watchdog_target_up", ())] == up

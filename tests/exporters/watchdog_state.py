@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omni_watchdog.app import ProbeHealth
+from omni_watchdog.app import ProbeHealth, Watchdog
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import WatchdogConfig
 from omni_watchdog.detector import Detector, DetectorReport
@@ -88,6 +88,8 @@ class FakeWatchdog:
     last_report: DetectorReport | None = None
     last_health: Observation | None = None
     exposition: MetricsExposition = field(init=False)
+    # The real rule, over the fakes above.
+    target_up = Watchdog.target_up
 
     def __post_init__(self) -> None:
         self.exposition = MetricsExposition(self, self.stats)  # type: ignore[arg-type]
@@ -301,7 +303,7 @@ def fake_watchdog(
     report = detector.evaluate(now)
     stats.count_verdicts(first.verdicts)
     stats.count_verdicts(report.verdicts)
-    stats.closed_incidents(scripted_incidents())
+    stats.count_incidents(scripted_incidents())
 
     rejected = dict.fromkeys(REJECTION_REASONS, 0)
     rejected["decode_error"] = 2

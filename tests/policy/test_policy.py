@@ -107,6 +107,7 @@ class Rig:
         session: aiohttp.ClientSession,
         lock_dir: Path | None = None,
         admin_url: str = "http://127.0.0.1:1/admin/shutdown",
+        server_gone: bool = False,
     ) -> Policy:
         config = LadderConfig(term_grace=3.0, kill_grace=1.0, release_timeout=2.0)
         guard = SignalGuard(self.fake, self.recorded, OWN_PID, OWN_PGID, self.fake.getpgid)
@@ -122,6 +123,7 @@ class Rig:
             admin_url,
             "token",
             sleep=self.clock.sleep,
+            server_gone=lambda: server_gone,
         )
         return Policy(
             self.mode,
@@ -450,11 +452,22 @@ def step_detail(incident: Incident, name: StepName) -> str:
 
 
 @pytest.mark.parametrize(
-    ("accepts", "outcome"),
-    [(True, IncidentOutcome.RECOVERED_BY_SHUTDOWN), (False, IncidentOutcome.FAILED)],
+    ("accepts", "port_closes", "outcome", "verified"),
+    [
+        (True, True, IncidentOutcome.RECOVERED_BY_SHUTDOWN, StepOutcome.OK),
+        (True, False, IncidentOutcome.FAILED, StepOutcome.FAILED),
+        (False, False, IncidentOutcome.FAILED, StepOutcome.FAILED),
+        # Refused, yet gone: nothing the watchdog did stopped it.
+        (False, True, IncidentOutcome.CRASHED, StepOutcome.OK),
+    ],
 )
 def test_without_the_pid_namespace_the_admin_endpoint_is_the_only_lever(
-    tmp_path: Path, fake_psutil: FakePsutil, accepts: bool, outcome: IncidentOutcome
+    tmp_path: Path,
+    fake_psutil: FakePsutil,
+    accepts: bool,
+    port_closes: bool,
+    outcome: IncidentOutcome,
+    verified: StepOutcome,
 ) -> None:
     from aiohttp import web
 
@@ -477,7 +490,11 @@ def test_without_the_pid_namespace_the_admin_endpoint_is_the_only_lever(
         port = runner.addresses[0][1]
         try:
             async with aiohttp.ClientSession() as session:
-                policy = rig.policy(session, admin_url=f"http://127.0.0.1:{port}/admin/shutdown")
+                policy = rig.policy(
+                    session,
+                    admin_url=f"http://127.0.0.1:{port}/admin/shutdown",
+                    server_gone=port_closes,
+                )
                 task = policy.on_report(report(), lambda: blind)
                 assert task is not None
                 incident = await task
@@ -488,4 +505,7 @@ def test_without_the_pid_namespace_the_admin_endpoint_is_the_only_lever(
 
     incident = asyncio.run(scenario())
     assert incident.outcome is outcome
+    verify = next(s for s in incident.steps if s.step is StepName.VERIFY)
+    assert verify.outcome is verified
+    assert "not visible from here" in verify.detail
     assert fake_psutil.signals == []
