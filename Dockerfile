@@ -14,14 +14,17 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:${PYTHON_VERSION}-slim AS runtime
 COPY --from=build /wheels /wheels
-# py-spy carries file capability cap_sys_ptrace so that it can read another user's
-# process memory when the container is granted SYS_PTRACE (added capabilities never reach
-# a non-root user's processes otherwise). libcap2-bin is only needed to set it.
+# A copy of py-spy, py-spy-ptrace, carries file capability cap_sys_ptrace so that it can
+# read another user's process memory when the container is granted SYS_PTRACE (added
+# capabilities never reach a non-root user's processes otherwise). Without SYS_PTRACE the
+# kernel refuses to start that copy at all, so plain py-spy stays beside it and the
+# watchdog picks the one its bounding set allows. libcap2-bin is only needed to set it.
 RUN pip install --no-cache-dir --no-index --find-links /wheels omni-watchdog \
     && rm -rf /wheels \
+    && cp "$(command -v py-spy)" /usr/local/bin/py-spy-ptrace \
     && apt-get update \
     && apt-get install -y --no-install-recommends libcap2-bin \
-    && setcap cap_sys_ptrace+ep "$(command -v py-spy)" \
+    && setcap cap_sys_ptrace+ep /usr/local/bin/py-spy-ptrace \
     && apt-get purge -y --auto-remove libcap2-bin \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/omni-watchdog \

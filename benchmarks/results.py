@@ -9,8 +9,13 @@ import re
 from pathlib import Path
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
+README_PATH = Path(__file__).resolve().parent.parent / "README.md"
 TITLE = "# Benchmark results"
 _SECTION = re.compile(r"^## (.+)$", re.MULTILINE)
+_MACHINE = re.compile(r"^Machine: (.+)$", re.MULTILINE)
+# The README's copy of the figures that have a target lies between these two lines.
+README_START = "<!-- benchmark table: written by make bench from benchmarks/RESULTS.md -->"
+README_END = "<!-- end of benchmark table -->"
 
 
 def cpu_model() -> str:
@@ -59,9 +64,49 @@ def record(
     note: str = "",
     path: Path = RESULTS_PATH,
 ) -> None:
-    """Rewrite `section` of the results file (others are kept) and refresh its header."""
+    """Rewrite `section` of the results file (others are kept), its header and the README's
+    copy of the table."""
     sections = split_sections(path.read_text()) if path.exists() else {}
     sections[section] = render_section(section, rows, note)
     parts = [TITLE, "", machine_line(), ""]
     parts += list(sections.values())
     path.write_text("\n".join(parts))
+    if path == RESULTS_PATH:
+        update_readme()
+
+
+def readme_table(results: str) -> str:
+    """The README's summary of `results`: the machine, then every figure with a target."""
+    machine = _MACHINE.search(results)
+    lines = [
+        f"Machine: {machine.group(1) if machine else 'unknown'}. Each benchmark's method is in",
+        "`benchmarks/RESULTS.md`:",
+        "",
+        "| benchmark | figure | measured | target | verdict |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for section, text in split_sections(results).items():
+        for line in text.splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if len(cells) != 4 or not line.startswith("|") or cells[0] in ("figure", "---"):
+                continue
+            if cells[2] in ("information", "-"):
+                continue
+            lines.append(f"| {section} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def with_readme_table(readme: str, results: str) -> str:
+    """`readme` with the text between its benchmark-table markers rewritten from `results`."""
+    start = readme.index(README_START) + len(README_START)
+    end = readme.index(README_END)
+    return readme[:start] + "\n" + readme_table(results) + "\n" + readme[end:]
+
+
+def update_readme(readme_path: Path = README_PATH, results_path: Path = RESULTS_PATH) -> None:
+    readme = readme_path.read_text()
+    readme_path.write_text(with_readme_table(readme, results_path.read_text()))
+
+
+if __name__ == "__main__":
+    update_readme()

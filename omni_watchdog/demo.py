@@ -27,6 +27,7 @@ import aiohttp
 import psutil
 
 from omni_watchdog.config import WatchdogConfig, load_config, merge_layers
+from omni_watchdog.log import configure_logging
 from omni_watchdog.sim.faults import parse_fault
 from omni_watchdog.types import Incident, IncidentOutcome, StepOutcome
 
@@ -347,6 +348,9 @@ async def send_request(url: str) -> None:
 
 def run_demo(fault: str, generation: str, as_json: bool = False) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="omni-watchdog-demo-"))
+    # The timeline is the demo's output; the watchdog's own JSON log goes beside the bundle.
+    log_path = workdir / "watchdog.log"
+    configure_logging("info", log_path.open("a", encoding="utf-8"))
     print("omni-watchdog demo: a stage error that hangs vLLM-Omni, detected and cleaned up\n")
     incident, fault_time = asyncio.run(run_scenario(workdir, [fault], generation))
     if incident is None:
@@ -355,6 +359,7 @@ def run_demo(fault: str, generation: str, as_json: bool = False) -> int:
     print("\ntimeline (seconds from the fault):")
     for line in timeline(incident, fault_time, fault):
         print(line)
+    print(_line(None, "log", str(log_path)))
     released = incident.outcome in (
         IncidentOutcome.RECOVERED_BY_SHUTDOWN,
         IncidentOutcome.RECOVERED_BY_TERM,

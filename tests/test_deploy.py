@@ -26,6 +26,7 @@ from test_alerts import run_promtool
 
 from omni_watchdog.config import ENV_PREFIX, describe_defaults, load_config, split_host_port
 from omni_watchdog.instrument import admin, telemetry
+from omni_watchdog.policy.capture import PTRACE_PY_SPY
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -484,3 +485,12 @@ def test_py_spy_comes_with_the_package() -> None:
     assert re.search(r'^\s*"py-spy[>=<]', pyproject, re.MULTILINE)
     runtime = " ".join(rest for word, rest in stages()[-1][1] if word == "RUN")
     assert "pip install" in runtime and "omni-watchdog" in runtime
+
+
+def test_only_a_copy_of_py_spy_carries_the_ptrace_capability() -> None:
+    runtime = " ".join(rest for word, rest in stages()[-1][1] if word == "RUN")
+    (capped,) = re.findall(r"setcap cap_sys_ptrace\+ep (\S+)", runtime)
+    # Without SYS_PTRACE the kernel will not start a program with that capability; plain
+    # py-spy must stay, and the watchdog must know the copy's name.
+    assert Path(capped).name == PTRACE_PY_SPY
+    assert f'cp "$(command -v py-spy)" {capped}' in runtime

@@ -17,13 +17,39 @@ from omni_watchdog.policy.incidents import BundleWriter
 from omni_watchdog.policy.ladder import TargetSnapshot
 from omni_watchdog.types import Clock, Incident, ProcessInfo, StepName, StepOutcome, StepResult
 
+# A copy of py-spy that carries CAP_SYS_PTRACE as a file capability (the container image
+# ships one), for reading processes of another user or under Yama's ptrace_scope 1.
+PTRACE_PY_SPY = "py-spy-ptrace"
+_CAP_SYS_PTRACE = 19
 
-def find_py_spy() -> str | None:
-    """py-spy installed beside this Python (a virtual environment), else on PATH."""
-    beside = Path(sys.executable).parent / "py-spy"
-    if beside.exists() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("py-spy")
+
+def ptrace_in_bounding_set(status_path: Path = Path("/proc/self/status")) -> bool:
+    """Whether CAP_SYS_PTRACE is in this process's capability bounding set."""
+    try:
+        for line in status_path.read_text().splitlines():
+            if line.startswith("CapBnd:"):
+                return bool(int(line.split()[1], 16) >> _CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def find_py_spy(ptrace_allowed: Callable[[], bool] = ptrace_in_bounding_set) -> str | None:
+    """The py-spy to run, beside this Python (a virtual environment) or on PATH.
+
+    The capability-carrying copy only where the bounding set holds CAP_SYS_PTRACE: elsewhere
+    the kernel refuses to start a program whose file capabilities it cannot grant, while
+    plain py-spy still reads processes of its own user.
+    """
+    names = (PTRACE_PY_SPY, "py-spy") if ptrace_allowed() else ("py-spy",)
+    for name in names:
+        beside = Path(sys.executable).parent / name
+        if beside.exists() and os.access(beside, os.X_OK):
+            return str(beside)
+        on_path = shutil.which(name)
+        if on_path is not None:
+            return on_path
+    return None
 
 
 class Capturer:
