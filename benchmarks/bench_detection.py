@@ -20,6 +20,7 @@ from pathlib import Path
 from results import record
 
 from omni_watchdog.demo import run_scenario, summary
+from omni_watchdog.log import configure_logging
 
 # (fault spec, generation, fault -> verdict target, fault -> released target), DESIGN.md 9.
 FAULTS: list[tuple[str, str, float | None, float | None]] = [
@@ -31,7 +32,12 @@ FAULTS: list[tuple[str, str, float | None, float | None]] = [
 
 
 def measure(fault: str, generation: str) -> tuple[float | None, float | None, str]:
-    with tempfile.TemporaryDirectory(prefix="omni-watchdog-bench-") as workdir:
+    with (
+        tempfile.TemporaryDirectory(prefix="omni-watchdog-bench-") as workdir,
+        (Path(workdir) / "watchdog.log").open("a", encoding="utf-8") as log,
+    ):
+        # The watchdog's log would drown the figures; it goes with the run's directory.
+        configure_logging("info", log)
         incident, fault_time = asyncio.run(
             run_scenario(Path(workdir), fault.split(","), generation, say=lambda _: None)
         )

@@ -106,8 +106,8 @@ async def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="rounds per server (median)")
-    parser.add_argument("--requests", type=int, default=200, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=25, help="rounds per server (median)")
+    parser.add_argument("--requests", type=int, default=120, help="requests per round")
     parser.add_argument("--in-flight", type=int, default=8, help="concurrent requests")
     parser.add_argument("--token-delay", type=float, default=0.002, help="sim seconds per token")
     parser.add_argument("--generation", choices=["0.11", "0.30"], default="0.30")

@@ -11,19 +11,22 @@ import asyncio
 import logging
 import os
 import threading
+import time
+import traceback as traceback_module
 import types
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from urllib.parse import urlsplit
 
-from opentelemetry import trace
-from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.trace import Status, StatusCode, Tracer
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags, get_current_span
 from opentelemetry.util.types import AttributeValue
 
+from omni_watchdog import __version__
 from omni_watchdog.instrument.export import WatchdogSpanExporter
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,9 @@ PROCESS_KINDS = frozenset({"api", "stage", "engine", "worker", "orchestrator"})
 ADMITTED_SPAN = "omni.request.admitted"
 STAGE_REQUEST_SPAN = "omni.stage.request"
 LOOP_SPAN = "omni.stage.loop"
+_SCOPE = InstrumentationScope("omni_watchdog.instrument", __version__)
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSET = Status(StatusCode.UNSET)
 
 # A heartbeat reaches the watchdog at most this long after the beat, which keeps the gap
 # between two arrivals (interval + delay) well inside the default 3 s heartbeat timeout.
@@ -123,22 +129,13 @@ class _BoundedProcessor(SpanProcessor):
 class _StageRequestSpan(AbstractContextManager[None]):
     """One `omni.stage.request` span around a block; an exception marks it and goes on."""
 
-    def __init__(self, telemetry: StageTelemetry, tracer: Tracer, request_id: str) -> None:
+    def __init__(self, telemetry: StageTelemetry, request_id: str) -> None:
         self._telemetry = telemetry
-        self._tracer = tracer
         self._request_id = request_id
-        self._span: trace.Span | None = None
+        self._start_ns = 0
 
     def __enter__(self) -> None:
-        try:
-            self._span = self._tracer.start_span(
-                STAGE_REQUEST_SPAN,
-                attributes=self._telemetry.span_attributes(self._request_id),
-                record_exception=False,
-                set_status_on_exception=False,
-            )
-        except Exception:
-            logger.debug("could not start a stage span", exc_info=True)
+        self._start_ns = time.time_ns()
 
     def __exit__(
         self,
@@ -146,15 +143,37 @@ class _StageRequestSpan(AbstractContextManager[None]):
         exc: BaseException | None,
         traceback: types.TracebackType | None,
     ) -> None:
-        if self._span is None:
-            return
+        end_ns = time.time_ns()
         try:
-            if exc is not None:
-                self._span.record_exception(exc)
-                self._span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-            self._span.end()
+            attributes = self._telemetry.span_attributes(self._request_id)
+            if exc is None:
+                self._telemetry.emit(STAGE_REQUEST_SPAN, attributes, self._start_ns, end_ns)
+                return
+            self._telemetry.emit(
+                STAGE_REQUEST_SPAN,
+                attributes,
+                self._start_ns,
+                end_ns,
+                status=Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"),
+                events=(_exception_event(exc, end_ns),),
+            )
         except Exception:
-            logger.debug("could not end a stage span", exc_info=True)
+            logger.debug("could not record a stage span", exc_info=True)
+
+
+def _exception_event(exc: BaseException, timestamp_ns: int) -> Event:
+    """The semantic-convention `exception` event, as the SDK's `record_exception` writes it."""
+    module, name = type(exc).__module__, type(exc).__qualname__
+    return Event(
+        "exception",
+        {
+            "exception.type": f"{module}.{name}" if module and module != "builtins" else name,
+            "exception.message": str(exc),
+            "exception.stacktrace": "".join(traceback_module.format_exception(exc)),
+            "exception.escaped": "False",
+        },
+        timestamp=timestamp_ns,
+    )
 
 
 class StageTelemetry:
@@ -186,8 +205,8 @@ class StageTelemetry:
         if replica is not None:
             self._stage_attributes["omni.stage.replica"] = replica
         self._shutdown_lock = threading.Lock()
-        self._provider: TracerProvider | None = None
-        self._tracer: Tracer | None = None
+        self._processor: SpanProcessor | None = None
+        self._ids = RandomIdGenerator()
         if exporter is None:
             return
         resource: dict[str, AttributeValue] = {
@@ -205,10 +224,8 @@ class StageTelemetry:
             max_export_batch_size=min(MAX_EXPORT_BATCH_SIZE, max_queue_size),
             export_timeout_millis=EXPORT_TIMEOUT_S * 1000,
         )
-        # A private provider: vLLM may install its own global one for `llm_request` spans.
-        self._provider = TracerProvider(resource=Resource(resource))
-        self._provider.add_span_processor(_BoundedProcessor(batch, self._ledger))
-        self._tracer = self._provider.get_tracer("omni_watchdog.instrument")
+        self._resource = Resource(resource)
+        self._processor = _BoundedProcessor(batch, self._ledger)
 
     @classmethod
     def from_environment(
@@ -245,7 +262,7 @@ class StageTelemetry:
 
     @property
     def enabled(self) -> bool:
-        return self._tracer is not None
+        return self._processor is not None
 
     @property
     def dropped_spans(self) -> int:
@@ -258,22 +275,70 @@ class StageTelemetry:
             attributes["omni.request.id"] = request_id
         return attributes
 
+    def emit(
+        self,
+        name: str,
+        attributes: dict[str, AttributeValue],
+        start_ns: int,
+        end_ns: int,
+        *,
+        root: bool = False,
+        status: Status = _UNSET,
+        events: Sequence[Event] = (),
+    ) -> None:
+        """Queue one finished span; a child of the current span unless `root`.
+
+        The spans are built here rather than through a Tracer: they are the watchdog's
+        health signals, so the host's sampler (`OTEL_TRACES_SAMPLER`) and kill switch
+        (`OTEL_SDK_DISABLED`), which a Tracer obeys, must not thin them out, and the watched
+        loop pays a few microseconds a span instead of the Tracer's fifty.
+        """
+        processor = self._processor
+        if processor is None:
+            return
+        parent: SpanContext | None = None
+        if not root:
+            current = get_current_span().get_span_context()
+            parent = current if current.is_valid else None
+        context = SpanContext(
+            parent.trace_id if parent is not None else self._ids.generate_trace_id(),
+            self._ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=_SAMPLED,
+            trace_state=parent.trace_state if parent is not None else None,
+        )
+        processor.on_end(
+            ReadableSpan(
+                name,
+                context,
+                parent,
+                self._resource,
+                attributes,
+                events,
+                status=status,
+                start_time=start_ns,
+                end_time=end_ns,
+                instrumentation_scope=_SCOPE,
+            )
+        )
+
     def request_admitted(self, request_id: str, stage_path: Sequence[int]) -> None:
         """A request entered the pipeline and is expected to visit these stages in order."""
-        if self._tracer is None:
+        if self._processor is None:
             return
         try:
             attributes = self.span_attributes(request_id)
             attributes["omni.request.stage_path"] = [int(stage) for stage in stage_path]
-            self._tracer.start_span(ADMITTED_SPAN, attributes=attributes).end()
+            now = time.time_ns()
+            self.emit(ADMITTED_SPAN, attributes, now, now)
         except Exception:
             logger.debug("could not emit an admitted span", exc_info=True)
 
     def stage_request(self, request_id: str) -> AbstractContextManager[None]:
         """A span around this stage's work on one request."""
-        if self._tracer is None:
+        if self._processor is None:
             return nullcontext()
-        return _StageRequestSpan(self, self._tracer, request_id)
+        return _StageRequestSpan(self, request_id)
 
     def record_stage_request(
         self,
@@ -289,7 +354,7 @@ class StageTelemetry:
 
         `stage_id` and `replica` name the stage when the caller (an orchestrator) is not it.
         """
-        if self._tracer is None:
+        if self._processor is None:
             return
         try:
             attributes = self.span_attributes(request_id)
@@ -297,35 +362,39 @@ class StageTelemetry:
                 attributes["omni.stage.id"] = stage_id
             if replica is not None:
                 attributes["omni.stage.replica"] = replica
-            span = self._tracer.start_span(
-                STAGE_REQUEST_SPAN, attributes=attributes, start_time=start_time_ns
+            if error is None:
+                self.emit(STAGE_REQUEST_SPAN, attributes, start_time_ns, end_time_ns)
+                return
+            failure = Event(
+                "exception",
+                {"exception.type": "StageError", "exception.message": error},
+                timestamp=end_time_ns,
             )
-            if error is not None:
-                span.add_event(
-                    "exception",
-                    {"exception.type": "StageError", "exception.message": error},
-                    timestamp=end_time_ns,
-                )
-                span.set_status(Status(StatusCode.ERROR, error))
-            span.end(end_time=end_time_ns)
+            self.emit(
+                STAGE_REQUEST_SPAN,
+                attributes,
+                start_time_ns,
+                end_time_ns,
+                status=Status(StatusCode.ERROR, error),
+                events=(failure,),
+            )
         except Exception:
             logger.debug("could not record a stage span", exc_info=True)
 
     def heartbeat(self) -> None:
         """One `omni.stage.loop` span now: the loop that calls this is alive."""
-        if self._tracer is None:
+        if self._processor is None:
             return
         try:
             # A root span: a beat belongs to no request, whatever context the loop runs in.
-            self._tracer.start_span(
-                LOOP_SPAN, context=Context(), attributes=self.span_attributes()
-            ).end()
+            now = time.time_ns()
+            self.emit(LOOP_SPAN, self.span_attributes(), now, now, root=True)
         except Exception:
             logger.debug("could not emit a heartbeat", exc_info=True)
 
     async def heartbeat_loop(self, interval: float | None = None) -> None:
         """Beat forever on the running event loop, so the beats stop exactly when it blocks."""
-        if self._tracer is None:
+        if self._processor is None:
             return
         period = self.heartbeat_interval if interval is None else interval
         while True:
@@ -335,12 +404,12 @@ class StageTelemetry:
     def shutdown(self, timeout_s: float = 1.0) -> None:
         """Flush what is queued and stop, waiting at most `timeout_s`; safe to call twice."""
         with self._shutdown_lock:
-            provider, self._provider, self._tracer = self._provider, None, None
-        if provider is None:
+            processor, self._processor = self._processor, None
+        if processor is None:
             return
         # The SDK's own shutdown waits up to 30 s for a collector that does not answer.
         stopper = threading.Thread(
-            target=provider.shutdown, name="omni-watchdog-telemetry-shutdown", daemon=True
+            target=processor.shutdown, name="omni-watchdog-telemetry-shutdown", daemon=True
         )
         try:
             stopper.start()

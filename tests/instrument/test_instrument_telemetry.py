@@ -233,3 +233,61 @@ def test_endpoint_resolution(environ: dict[str, str], expected: str | None) -> N
 )
 def test_heartbeat_interval(text: str, expected: float) -> None:
     assert heartbeat_interval({"OMNI_WATCHDOG_HEARTBEAT_INTERVAL": text}) == expected
+
+
+class KeptSpans(SpanExporter):
+    def __init__(self) -> None:
+        self.spans: list[ReadableSpan] = []
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+
+def test_the_hosts_sampler_and_sdk_switch_do_not_thin_out_the_signals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A server traced at 0% or with the SDK switched off still beats: the watchdog would
+    # otherwise read missing heartbeats as a stalled stage.
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    kept = KeptSpans()
+    telemetry = StageTelemetry(kept, process_kind="stage", stage_id=0)
+    for index in range(20):
+        telemetry.heartbeat()
+        with telemetry.stage_request(f"req-{index}"):
+            pass
+    telemetry.shutdown(timeout_s=2.0)
+    names = [span.name for span in kept.spans]
+    assert names.count("omni.stage.loop") == 20
+    assert names.count("omni.stage.request") == 20
+
+
+def test_stage_spans_join_the_current_trace_and_heartbeats_never_do() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import use_span
+
+    kept = KeptSpans()
+    telemetry = StageTelemetry(kept, process_kind="stage", stage_id=1, replica=0)
+    server_span = TracerProvider().get_tracer("vllm").start_span("llm_request")
+    with use_span(server_span, end_on_exit=True):
+        with telemetry.stage_request("req-1"):
+            pass
+        telemetry.heartbeat()
+    with telemetry.stage_request("req-2"):
+        pass
+    telemetry.shutdown(timeout_s=2.0)
+    joined, beat, alone = kept.spans
+    server = server_span.get_span_context()
+    assert joined.context.trace_id == server.trace_id
+    assert joined.parent is not None and joined.parent.span_id == server.span_id
+    assert beat.name == "omni.stage.loop" and beat.parent is None
+    assert beat.context.trace_id != server.trace_id
+    assert alone.parent is None and alone.context.trace_id not in (0, server.trace_id)
+    assert all(span.context.span_id and span.context.trace_flags.sampled for span in kept.spans)
+    assert joined.start_time <= joined.end_time
+    assert dict(joined.attributes) == {
+        "omni.stage.id": 1,
+        "omni.stage.replica": 0,
+        "omni.request.id": "req-1",
+    }
