@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -12,7 +12,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
@@ -27,19 +27,11 @@ from opentelemetry.trace import (
 
 from omni_watchdog.instrument.export import WatchdogSpanExporter, encode_spans
 from omni_watchdog.instrument.telemetry import StageTelemetry
+from tests.instrument.kept_spans import KeptSpans
 
 
-class Keep(SpanExporter):
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
-
-
-def tracer_pair(resource: Resource | None = None) -> tuple[TracerProvider, Keep]:
-    kept = Keep()
+def tracer_pair(resource: Resource | None = None) -> tuple[TracerProvider, KeptSpans]:
+    kept = KeptSpans()
     provider = TracerProvider(resource=resource) if resource else TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(kept))
     return provider, kept

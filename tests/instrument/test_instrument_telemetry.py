@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from omni_watchdog.instrument.telemetry import StageTelemetry, heartbeat_interval, traces_endpoint
+from tests.instrument.kept_spans import KeptSpans
 
 STATUS_ERROR = 2
 Collector = Any
@@ -233,15 +234,6 @@ def test_endpoint_resolution(environ: dict[str, str], expected: str | None) -> N
 )
 def test_heartbeat_interval(text: str, expected: float) -> None:
     assert heartbeat_interval({"OMNI_WATCHDOG_HEARTBEAT_INTERVAL": text}) == expected
-
-
-class KeptSpans(SpanExporter):
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
 
 
 def test_the_hosts_sampler_and_sdk_switch_do_not_thin_out_the_signals(
