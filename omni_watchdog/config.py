@@ -354,6 +354,13 @@ def _validate(config: WatchdogConfig) -> None:
             "configuration: probes.gpu_backend: expected nvml, sim or none, "
             f"got {config.probes.gpu_backend!r}"
         )
+    sees_exit = set(config.probes.enabled) & {"processes", "health"}
+    if config.mode is Mode.ENFORCE and "verify" in config.ladder.steps and not sees_exit:
+        # With neither, nothing can tell whether the server went: verify would always fail.
+        raise ConfigError(
+            "configuration: probes.enabled: the verify step needs 'processes' or, without "
+            "the server's PID namespace, 'health'"
+        )
     if config.detection.health_failures < 1:
         raise ConfigError("configuration: detection.health_failures: must be at least 1")
     if config.detection.confirm_timeout < config.detection.heartbeat_timeout:

@@ -64,6 +64,10 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ("mode: aggressive\n", "mode:"),
         ("ladder:\n  steps: [capture, pray]\n", "ladder.steps: unknown step 'pray'"),
         ("probes:\n  enabled: [spans, tarot]\n", "probes.enabled: unknown probe 'tarot'"),
+        (
+            "mode: enforce\nprobes:\n  enabled: [spans, metrics]\n",
+            "probes.enabled: the verify step needs",
+        ),
         ("detection:\n  health_failures: 2.5\n", "detection.health_failures: expected an integer"),
         ("- a list\n", "top level: expected a mapping"),
         ("target: [oops\n", "not valid YAML"),
