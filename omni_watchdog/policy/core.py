@@ -202,7 +202,8 @@ class Policy:
             )
             verify = next((s for s in finished.steps if s.step is StepName.VERIFY), None)
             timeline = dict(finished.timeline)
-            if verify is not None and verify.outcome is StepOutcome.OK:
+            # Without a visible process verify saw a port close, not memory come back.
+            if verify is not None and verify.outcome is StepOutcome.OK and target.processes:
                 timeline["released"] = verify.started + verify.duration
             timeline["closed"] = finished.closed or self._clock.wall()
             finished = dataclasses.replace(finished, timeline=timeline)

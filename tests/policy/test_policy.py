@@ -508,4 +508,5 @@ def test_without_the_pid_namespace_the_admin_endpoint_is_the_only_lever(
     verify = next(s for s in incident.steps if s.step is StepName.VERIFY)
     assert verify.outcome is verified
     assert "not visible from here" in verify.detail
+    assert "released" not in incident.timeline, "no memory was seen coming back"
     assert fake_psutil.signals == []
