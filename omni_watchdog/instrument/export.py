@@ -19,7 +19,6 @@ import logging
 import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import cast
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import Resource
@@ -77,30 +76,19 @@ _KV_KEY = _tag(1, _DELIMITED)
 _KV_VALUE = _tag(2, _DELIMITED)
 
 
-def _int64(value: int) -> bytes:
-    if not _INT64_MIN <= value <= _INT64_MAX:
-        raise ValueError(f"{value} does not fit an int64")
-    return _ANY_INT + _varint(value & 0xFFFF_FFFF_FFFF_FFFF)
-
-
 def _any_value(value: object) -> bytes:
     """One AnyValue; TypeError or ValueError for what OTLP cannot carry."""
-    # Exact types first: these are nearly every attribute, and bool is an int subclass.
-    kind = type(value)
-    if kind is str:
-        # Strict: protobuf refuses text that is not UTF-8, and so does the SDK's encoder.
-        raw = cast(str, value).encode("utf-8")
-        return _ANY_STRING + _varint(len(raw)) + raw
-    if kind is int:
-        return _int64(cast(int, value))
     if value is None:
         return b""
-    if isinstance(value, bool):
+    if isinstance(value, bool):  # before int: bool is an int subclass
         return _ANY_BOOL + _SMALL_VARINTS[int(value)]
     if isinstance(value, str):
+        # Strict: protobuf refuses text that is not UTF-8, and so does the SDK's encoder.
         return _delimited(_ANY_STRING, value.encode("utf-8"))
     if isinstance(value, int):
-        return _int64(value)
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError(f"{value} does not fit an int64")
+        return _ANY_INT + _varint(value & 0xFFFF_FFFF_FFFF_FFFF)
     if isinstance(value, float):
         return _ANY_DOUBLE + struct.pack("<d", value)
     if isinstance(value, bytes):
@@ -138,7 +126,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, object] | None) -> bytes:
         except (TypeError, ValueError, UnicodeEncodeError):
             logger.debug("attribute %r left out of the export", key, exc_info=True)
             continue
-        parts.append(tag + _varint(len(pair)) + pair)
+        parts.append(_delimited(tag, pair))
     return b"".join(parts)
 
 

@@ -145,17 +145,15 @@ class _StageRequestSpan(AbstractContextManager[None]):
     ) -> None:
         end_ns = time.time_ns()
         try:
-            attributes = self._telemetry.span_attributes(self._request_id)
-            if exc is None:
-                self._telemetry.emit(STAGE_REQUEST_SPAN, attributes, self._start_ns, end_ns)
-                return
+            failure = None
+            if exc is not None:
+                failure = (f"{type(exc).__name__}: {exc}", _exception_event(exc, end_ns))
             self._telemetry.emit(
                 STAGE_REQUEST_SPAN,
-                attributes,
+                self._telemetry.span_attributes(self._request_id),
                 self._start_ns,
                 end_ns,
-                status=Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"),
-                events=(_exception_event(exc, end_ns),),
+                failure=failure,
             )
         except Exception:
             logger.debug("could not record a stage span", exc_info=True)
@@ -283,10 +281,10 @@ class StageTelemetry:
         end_ns: int,
         *,
         root: bool = False,
-        status: Status = _UNSET,
-        events: Sequence[Event] = (),
+        failure: tuple[str, Event] | None = None,
     ) -> None:
-        """Queue one finished span; a child of the current span unless `root`.
+        """Queue one finished span; a child of the current span unless `root`; `failure`
+        (a description and its `exception` event) marks it as an error.
 
         The spans are built here rather than through a Tracer: they are the watchdog's
         health signals, so the host's sampler (`OTEL_TRACES_SAMPLER`) and kill switch
@@ -307,6 +305,10 @@ class StageTelemetry:
             trace_flags=_SAMPLED,
             trace_state=parent.trace_state if parent is not None else None,
         )
+        status: Status = _UNSET
+        events: tuple[Event, ...] = ()
+        if failure is not None:
+            status, events = Status(StatusCode.ERROR, failure[0]), (failure[1],)
         processor.on_end(
             ReadableSpan(
                 name,
@@ -362,22 +364,15 @@ class StageTelemetry:
                 attributes["omni.stage.id"] = stage_id
             if replica is not None:
                 attributes["omni.stage.replica"] = replica
-            if error is None:
-                self.emit(STAGE_REQUEST_SPAN, attributes, start_time_ns, end_time_ns)
-                return
-            failure = Event(
-                "exception",
-                {"exception.type": "StageError", "exception.message": error},
-                timestamp=end_time_ns,
-            )
-            self.emit(
-                STAGE_REQUEST_SPAN,
-                attributes,
-                start_time_ns,
-                end_time_ns,
-                status=Status(StatusCode.ERROR, error),
-                events=(failure,),
-            )
+            failure = None
+            if error is not None:
+                event = Event(
+                    "exception",
+                    {"exception.type": "StageError", "exception.message": error},
+                    timestamp=end_time_ns,
+                )
+                failure = (error, event)
+            self.emit(STAGE_REQUEST_SPAN, attributes, start_time_ns, end_time_ns, failure=failure)
         except Exception:
             logger.debug("could not record a stage span", exc_info=True)
 
