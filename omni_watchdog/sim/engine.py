@@ -122,6 +122,10 @@ class SimEngine:
         faults = self.faults
         if faults.take(FaultKind.FROZEN_ENGINE):
             logger.info("stage %d: frozen-engine: SIGSTOP to itself", self.spec.stage_id)
+            # A queue's feeder thread stops with the process: what it had not sent yet
+            # (the request's "started", in 0.30) would never arrive. The engine stays
+            # frozen until it is killed, so it has nothing more to say.
+            self._flush_emitter()
             os.kill(os.getpid(), signal.SIGSTOP)
         if faults.take(FaultKind.SLOW_BUT_ALIVE):
             faults.slow = True
@@ -142,10 +146,13 @@ class SimEngine:
             # The replica is the engine: it tells the orchestrator itself, as vLLM's
             # engine does when its busy loop fails, before going.
             self._emit({"type": "fatal", "error": f"EngineDeadError: {ENGINE_DEAD_MESSAGE}"})
+        self._flush_emitter()
+        os._exit(1)
+
+    def _flush_emitter(self) -> None:
         flush = getattr(self._emit, "flush", None)
         if flush is not None:
             flush()
-        os._exit(1)
 
     def steps(self, request: Message) -> Iterator[float]:
         """The delay before each token of `request`; emits each token after its delay."""
