@@ -217,9 +217,21 @@ def test_watchdog_is_a_native_sidecar_with_a_valid_config(path: Path) -> None:
     check_watchdog_environment(env)
     ports = [port["containerPort"] for port in watchdog["ports"]]
     assert ports == [api_port(env)]
-    # Kubernetes' runAsNonRoot needs a numeric non-root user.
-    assert spec["securityContext"]["runAsNonRoot"] is True
-    assert spec["securityContext"]["runAsUser"] != 0
+    security = watchdog["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"]["drop"] == ["ALL"]
+
+
+@pytest.mark.parametrize("path", [MAIN_MANIFEST, ADMIN_ONLY_MANIFEST], ids=["shared", "admin"])
+def test_vllm_runs_as_its_images_user(path: Path) -> None:
+    # vLLM's images are built for root: under another uid torch's compile cache fails on
+    # getpwuid() and the caches under HOME cannot be written.
+    spec = pod_spec(path)
+    vllm = container(spec, VLLM_CONTAINER)
+    for context in (spec.get("securityContext", {}), vllm.get("securityContext", {})):
+        assert "runAsUser" not in context
+        assert not context.get("runAsNonRoot", False)
 
 
 @pytest.mark.parametrize("path", [MAIN_MANIFEST, ADMIN_ONLY_MANIFEST], ids=["shared", "admin"])
@@ -253,8 +265,11 @@ def test_shared_variant_probes_liveness_through_the_watchdog() -> None:
     assert probe["port"] == api_port(watchdog_env)
     config = load_config(environ=watchdog_env)
     assert {"processes", "gpu"} <= set(config.probes.enabled)
-    capabilities = container(spec, WATCHDOG_CONTAINER)["securityContext"]["capabilities"]
-    assert "SYS_PTRACE" in capabilities["add"]
+    # Signals to root's processes need root's uid with CAP_KILL (an added capability never
+    # reaches a non-root container's processes); py-spy needs SYS_PTRACE; nothing else.
+    security = container(spec, WATCHDOG_CONTAINER)["securityContext"]
+    assert security["runAsUser"] == 0
+    assert sorted(security["capabilities"]["add"]) == ["KILL", "SYS_PTRACE"]
 
 
 def test_admin_only_variant_needs_no_shared_namespace_nor_privileges() -> None:
@@ -262,6 +277,9 @@ def test_admin_only_variant_needs_no_shared_namespace_nor_privileges() -> None:
     assert not spec.get("shareProcessNamespace", False)
     watchdog = container(spec, WATCHDOG_CONTAINER)
     assert "add" not in watchdog["securityContext"]["capabilities"]
+    # Kubernetes' runAsNonRoot needs a numeric non-root user.
+    assert watchdog["securityContext"]["runAsNonRoot"] is True
+    assert watchdog["securityContext"]["runAsUser"] != 0
     config = load_config(environ=environment(watchdog))
     assert not {"processes", "gpu"} & set(config.probes.enabled)
     assert config.probes.gpu_backend == "none"
@@ -343,7 +361,8 @@ def test_compose_watchdog_shares_the_servers_pid_namespace() -> None:
     watchdog = services["watchdog"]
     assert watchdog["pid"] == "service:vllm"
     assert watchdog["network_mode"] == "service:vllm"
-    assert "SYS_PTRACE" in watchdog["cap_add"]
+    assert watchdog["cap_drop"] == ["ALL"]
+    assert sorted(watchdog["cap_add"]) == ["KILL", "SYS_PTRACE"]
     env = {name: str(value) for name, value in watchdog["environment"].items()}
     check_watchdog_environment(env)
     api = api_port(env)
