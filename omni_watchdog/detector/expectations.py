@@ -46,27 +46,44 @@ class PendingRequest:
         return self.path[self.position]
 
 
+# Stage spans kept for requests whose admission has not arrived yet, and per request.
+EARLY_REQUESTS = 10_000
+EARLY_SPANS_PER_REQUEST = 16
+
+
 class PendingRequests:
     """Admitted requests by the stage whose span they wait for, oldest first.
 
     A request enters a stage's queue when it is admitted (first stage) or when the
     previous stage's span arrives, so each queue is ordered by `due_since` and the
     overdue ones are always at its front: checking costs O(overdue), not O(in flight).
+
+    The API process and the stage processes export their spans independently, so a fast
+    request's stage spans can arrive before its admission. They are kept, a bounded
+    number, and applied when the admission comes: else the request would wait forever
+    for spans already seen, and an idle stage would look stalled.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, early_requests: int = EARLY_REQUESTS) -> None:
         self._by_stage: dict[int, dict[str, PendingRequest]] = {}
         self._where: dict[str, PendingRequest] = {}
+        self._early: dict[str, list[tuple[int, bool]]] = {}
+        self._early_requests = early_requests
 
     def admit(self, request_id: str, path: tuple[int, ...], now: float) -> None:
         if not path or request_id in self._where:
             return
         self._enqueue(PendingRequest(request_id, path, 0, now))
+        for stage_id, failed in self._early.pop(request_id, ()):
+            self.stage_done(request_id, stage_id, now, failed)
 
     def stage_done(self, request_id: str, stage_id: int, now: float, failed: bool) -> None:
         """The span of `stage_id` for the request arrived: move it on, or forget it."""
         pending = self._where.get(request_id)
-        if pending is None or stage_id not in pending.path[pending.position :]:
+        if pending is None:
+            self._keep_early(request_id, stage_id, failed)
+            return
+        if stage_id not in pending.path[pending.position :]:
             return
         self._dequeue(pending)
         position = pending.path.index(stage_id, pending.position) + 1
@@ -87,6 +104,19 @@ class PendingRequests:
 
     def __len__(self) -> int:
         return len(self._where)
+
+    def _keep_early(self, request_id: str, stage_id: int, failed: bool) -> None:
+        if not request_id:
+            return
+        spans = self._early.get(request_id)
+        if spans is None:
+            if len(self._early) >= self._early_requests:
+                # The oldest goes: most likely a request that will never be admitted (its
+                # stages finished it after it left the queues, or no admission is sent).
+                del self._early[next(iter(self._early))]
+            spans = self._early[request_id] = []
+        if len(spans) < EARLY_SPANS_PER_REQUEST:
+            spans.append((stage_id, failed))
 
     def _enqueue(self, pending: PendingRequest) -> None:
         self._by_stage.setdefault(pending.stage_id, {})[pending.request_id] = pending

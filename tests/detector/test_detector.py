@@ -10,6 +10,7 @@ import pytest
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector import Detector, DetectorReport
+from omni_watchdog.detector.expectations import EARLY_SPANS_PER_REQUEST, PendingRequests
 from omni_watchdog.types import (
     EvidenceKind,
     HealthOutcome,
@@ -359,6 +360,63 @@ def test_overdue_span_is_evidence_on_the_stage_the_request_waits_at() -> None:
     assert EvidenceKind.SPAN_OVERDUE in kinds_of(report, S1)
     assert EvidenceKind.SPAN_OVERDUE not in kinds_of(report, S0)
     assert detector.in_flight(1) == 1 and detector.overdue_count(1, now + 12.5) == 1
+
+
+def test_stage_spans_that_arrive_before_the_admission_count() -> None:
+    """The stages' exporters can beat the API's: an idle pipeline must not look stalled."""
+    clock = FakeClock()
+    detector = Detector(CONFIG, THREE_STAGES, clock.monotonic())
+    now = clock.monotonic()
+    detector.observe(
+        [
+            Observation(ObservationKind.HEALTH, now, outcome="ok"),
+            *[
+                Observation(ObservationKind.STAGE_SPAN, now, ref, 0.1, "ok", request_id="fast")
+                for ref in (S0, S1)
+            ],
+            Observation(
+                ObservationKind.REQUEST_ADMITTED, now + 0.4, request_id="fast", path=(0, 1, 2)
+            ),
+            Observation(
+                ObservationKind.STAGE_SPAN, now + 0.5, S0, 0.1, "error", request_id="failed-early"
+            ),
+            Observation(
+                ObservationKind.REQUEST_ADMITTED,
+                now + 0.6,
+                request_id="failed-early",
+                path=(0, 1, 2),
+            ),
+        ]
+    )
+    assert detector.in_flight(0) == 0 and detector.in_flight(1) == 0
+    assert detector.in_flight(2) == 1  # stage 2's span is still to come
+    for second in range(1, 60):
+        clock.advance(1.0)
+        now = clock.monotonic()
+        detector.observe(
+            [Observation(ObservationKind.HEARTBEAT, now, stage=ref) for ref in (S0, S1, S2)]
+        )
+        if second == 2:
+            detector.observe(
+                [Observation(ObservationKind.STAGE_SPAN, now, S2, 0.1, "ok", request_id="fast")]
+            )
+        report = detector.evaluate(now)
+        assert not report.verdicts
+    assert {s.state for s in report.statuses} == {StageState.HEALTHY}
+    assert [detector.in_flight(stage) for stage in (0, 1, 2)] == [0, 0, 0]
+
+
+def test_early_stage_spans_are_kept_within_a_bound() -> None:
+    pending = PendingRequests(early_requests=3)
+    for index in range(5):
+        for _ in range(EARLY_SPANS_PER_REQUEST + 4):
+            pending.stage_done(f"r{index}", 0, 0.0, False)
+    pending.stage_done("", 0, 0.0, False)  # a span without a request id waits for nothing
+    for index in range(5):
+        pending.admit(f"r{index}", (0, 1), 1.0)
+    # r0 and r1 were dropped for later ones: they wait at stage 0, the kept ones at stage 1.
+    assert pending.in_flight(0) == 2 and pending.in_flight(1) == 3
+    assert [p.request_id for p in pending.overdue(1, 0.0, 2.0)] == ["r2", "r3", "r4"]
 
 
 def test_zombie_helper_is_reported_not_judged() -> None:
