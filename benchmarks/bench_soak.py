@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -63,29 +64,39 @@ async def keep_loaded(
         await asyncio.gather(*(client(session) for _ in range(in_flight)))
 
 
-async def soak(
-    workdir: Path, generation: str, duration: float, in_flight: int
-) -> tuple[int, Counter[StageState], list[float], list[float], Counter[str], bool]:
-    """Incidents opened, state samples, latencies before and during, failures, fault fired."""
+@dataclass
+class Soak:
+    """What one soak saw."""
+
+    incidents: int = 0
+    fault_fired: bool = False
+    states: Counter[StageState] = field(default_factory=Counter)
+    latencies_before: list[float] = field(default_factory=list)
+    latencies_during: list[float] = field(default_factory=list)
+    failures: Counter[str] = field(default_factory=Counter)
+
+
+async def soak(workdir: Path, generation: str, duration: float, in_flight: int) -> Soak:
+    seen = Soak()
     async with attached(workdir, [], generation, "enforce") as (watchdog, server):
         await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 60)
-        before: list[float] = []
-        failures: Counter[str] = Counter()
         # A few requests at full speed first, so the span deadlines know the stage's pace.
-        await keep_loaded(server.url, in_flight, time.monotonic() + 5, before, failures)
+        until = time.monotonic() + 5
+        await keep_loaded(server.url, in_flight, until, seen.latencies_before, seen.failures)
         await arm_faults(server.url, [FAULT])
-        during: list[float] = []
-        states: Counter[StageState] = Counter()
         until = time.monotonic() + duration
-        load = asyncio.create_task(keep_loaded(server.url, in_flight, until, during, failures))
+        load = asyncio.create_task(
+            keep_loaded(server.url, in_flight, until, seen.latencies_during, seen.failures)
+        )
         while not load.done():
             report = watchdog.last_report
             if report is not None:
-                states.update(status.state for status in report.statuses)
+                seen.states.update(status.state for status in report.statuses)
             await asyncio.sleep(SAMPLE_INTERVAL)
         await load
-        incidents = len(watchdog.policy.incidents())
-        return incidents, states, before, during, failures, server.fault_time() is not None
+        seen.incidents = len(watchdog.policy.incidents())
+        seen.fault_fired = server.fault_time() is not None
+    return seen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,32 +116,33 @@ def main(argv: list[str] | None = None) -> int:
             (Path(workdir) / "watchdog.log").open("a", encoding="utf-8") as log,
         ):
             configure_logging("info", log)
-            incidents, states, before, during, failures, fired = asyncio.run(
-                soak(Path(workdir), generation, args.duration, args.in_flight)
-            )
+            seen = asyncio.run(soak(Path(workdir), generation, args.duration, args.in_flight))
         label = f"{FAULT} ({generation}), {args.duration:g} s"
-        if not fired or not before or not during:
+        before, during = seen.latencies_before, seen.latencies_during
+        if not seen.fault_fired or not before or not during:
             # Nothing was slowed or nothing got through: the soak measured nothing.
-            print(f"{label}: fault fired {fired}, requests {len(before)} + {len(during)}")
+            print(
+                f"{label}: fault fired {seen.fault_fired}, requests {len(before)} + {len(during)}"
+            )
             failed = True
             continue
-        unacceptable = sorted(s.value for s in states if s not in ACCEPTABLE)
-        total = sum(states.values())
-        shares = ", ".join(f"{s.value} {n / total:.0%}" for s, n in states.most_common())
+        unacceptable = sorted(s.value for s in seen.states if s not in ACCEPTABLE)
+        total = sum(seen.states.values())
+        shares = ", ".join(f"{s.value} {n / total:.0%}" for s, n in seen.states.most_common())
         slowdown = statistics.median(during) / statistics.median(before)
-        failed |= incidents > 0 or bool(unacceptable)
+        failed |= seen.incidents > 0 or bool(unacceptable)
         print(
-            f"{label}: {incidents} incidents; states sampled: {shares}; "
+            f"{label}: {seen.incidents} incidents; states sampled: {shares}; "
             f"requests {len(during)} at {statistics.median(during):.2f} s median "
             f"({slowdown:.1f}x the {statistics.median(before):.2f} s before); "
-            f"failed requests: {dict(failures) or 0}"
+            f"failed requests: {dict(seen.failures) or 0}"
         )
         rows += [
             (
                 f"{label}: incidents opened (each a remediation)",
-                str(incidents),
+                str(seen.incidents),
                 "0",
-                verdict(incidents == 0),
+                verdict(seen.incidents == 0),
             ),
             (
                 f"{label}: stage states seen",
