@@ -375,14 +375,13 @@ class ProcessTracker:
     ) -> tuple[ProcessRole, StageRef | None]:
         if snapshot.pid == root.pid:
             return ProcessRole.API, None
-        match = STAGE_ENGINE_TITLE.search(snapshot.title)
-        if match:
-            return ProcessRole.ENGINE, StageRef(int(match.group(1)), int(match.group(2)))
-        match = ENGINE_CORE_TITLE.search(snapshot.title)
-        if match:
-            if parent_role in (ProcessRole.STAGE, ProcessRole.ENGINE) and parent_stage:
+        named = _titled_stage(snapshot.title)
+        if named is not None:
+            # An EngineCore under a stage worker serves that stage, whatever its DP rank.
+            under_stage = parent_role in (ProcessRole.STAGE, ProcessRole.ENGINE) and parent_stage
+            if under_stage and not STAGE_ENGINE_TITLE.search(snapshot.title):
                 return ProcessRole.ENGINE, parent_stage
-            return ProcessRole.ENGINE, StageRef(0, int(match.group(1) or 0))
+            return ProcessRole.ENGINE, named
         if WORKER_TITLE.search(snapshot.title):
             return ProcessRole.WORKER, parent_stage
         return ProcessRole.HELPER, None
@@ -390,9 +389,12 @@ class ProcessTracker:
     def _spawn_order_stages(
         self, generation: _Generation, tree: list[_Snapshot]
     ) -> dict[ProcessIdentity, StageRef]:
-        """vLLM-Omni 0.11 stage workers: the root's untitled spawn children, oldest first.
+        """The root's untitled spawn children, oldest first, on the stages no title claims.
 
-        Exited ones keep their rank, so a stage worker that dies does not shift the others.
+        vLLM-Omni 0.11 stage workers are never titled: their order is all there is. A 0.30
+        replica is untitled only until it sets its title; one that dies before the tracker
+        saw the title must not push its titled siblings' stages onto the others. Exited
+        children keep their rank, so a stage worker that dies does not shift the others.
         """
         root_pid = tree[0].pid
         children: dict[ProcessIdentity, tuple[float, str]] = {
@@ -403,13 +405,14 @@ class ProcessTracker:
         for snapshot in tree[1:]:
             if snapshot.ppid == root_pid:
                 children[snapshot.identity] = (snapshot.create_time, snapshot.title)
+        claimed = {_titled_stage(title) for _, title in children.values()}
         spawned = sorted(
             (create_time, identity)
             for identity, (create_time, title) in children.items()
             if _is_untitled_spawn(title)
         )
-        refs = self._topology.refs()
-        return {identity: ref for (_, identity), ref in zip(spawned, refs, strict=False)}
+        free = [ref for ref in self._topology.refs() if ref not in claimed]
+        return {identity: ref for (_, identity), ref in zip(spawned, free, strict=False)}
 
     # --- reading the process table (in a thread) --------------------------------------
 
@@ -535,6 +538,15 @@ class ProcessTracker:
         if self._pid is not None:
             return f"no process with pid {self._pid}"
         return f"no process listens on port {self._port}"
+
+
+def _titled_stage(title: str) -> StageRef | None:
+    """The stage a process's own title names, if it names one."""
+    match = STAGE_ENGINE_TITLE.search(title)
+    if match:
+        return StageRef(int(match.group(1)), int(match.group(2)))
+    match = ENGINE_CORE_TITLE.search(title)
+    return StageRef(0, int(match.group(1) or 0)) if match else None
 
 
 def _is_untitled_spawn(title: str) -> bool:

@@ -242,6 +242,45 @@ def test_spawn_order_maps_0_11_stage_workers_and_keeps_ranks() -> None:
     assert roles(tracker)[111] == (ProcessRole.ENGINE, StageRef(0))
 
 
+def test_a_replica_that_dies_untitled_keeps_the_stage_its_titled_siblings_leave() -> None:
+    """0.30: a replica that dies before the tracker sees its title is still its stage's."""
+    replicas = Topology(
+        (
+            Stage(0, "thinker", downstream=(1,)),
+            Stage(1, "talker", upstream=(0,), downstream=(2,), replicas=2),
+            Stage(2, "code2wav", upstream=(1,)),
+        )
+    )
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve --omni")
+    table.add(101, 100, TRACKER_CMDLINE)
+    for pid in (110, 120, 121, 130):
+        table.add(pid, 100, SPAWN_CMDLINE)
+    table.listening = [100]
+    tracker = fake_tracker(table, topology=replicas)
+    collect(tracker)
+    # Every replica is untitled at first: spawn order is all there is.
+    assert [roles(tracker)[pid][1] for pid in (110, 120, 121, 130)] == [
+        StageRef(0),
+        StageRef(1, 0),
+        StageRef(1, 1),
+        StageRef(2),
+    ]
+    for pid, title in (
+        (110, "VLLM::StageEngineCoreProc_stage0_replica0_DP0"),
+        (121, "VLLM::StageEngineCoreProc_stage1_replica1_DP0"),
+        (130, "VLLM::StageEngineCoreProc_stage2_replica0_DP0"),
+    ):
+        table.table[pid]._argv = [title]
+    collect(tracker)
+    assert roles(tracker)[120] == (ProcessRole.STAGE, StageRef(1, 0))
+    del table.table[120]
+    observations = collect(tracker)
+    exit_seen = next(o for o in observations if o.pid == 120)
+    assert (exit_seen.outcome, exit_seen.stage) == ("exited", StageRef(1, 0))
+    assert roles(tracker)[110] == (ProcessRole.ENGINE, StageRef(0))
+
+
 def test_learned_stages_beat_titles_and_spawn_order() -> None:
     table = FakePsutil()
     table.add(100, 1, "vllm serve")
