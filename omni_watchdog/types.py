@@ -157,6 +157,7 @@ class ObservationKind(str, enum.Enum):
 
     HEARTBEAT = "heartbeat"
     REQUEST_ADMITTED = "request_admitted"
+    REQUEST_ABANDONED = "request_abandoned"
     STAGE_SPAN = "stage_span"
     PROGRESS = "progress"
     LOAD = "load"
@@ -174,6 +175,7 @@ class Observation:
     Fields by kind:
     - HEARTBEAT: `stage`.
     - REQUEST_ADMITTED: `request_id`, `path` (expected stage ids, in order).
+    - REQUEST_ABANDONED: `request_id` (no stage will send a span for it any more).
     - STAGE_SPAN: `stage`, `request_id`, `value` = duration in seconds,
       `outcome` = "ok" or "error", `detail` = the error text.
     - PROGRESS: `stage`, `value` = a cumulative progress counter (tokens, iterations).

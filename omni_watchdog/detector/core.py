@@ -131,6 +131,9 @@ class Detector:
     def _on_admitted(self, obs: Observation) -> None:
         self._pending.admit(obs.request_id, obs.path, obs.time)
 
+    def _on_abandoned(self, obs: Observation) -> None:
+        self._pending.abandon(obs.request_id)
+
     def _on_stage_span(self, obs: Observation) -> None:
         failed = obs.outcome == "error"
         if obs.stage is not None:
@@ -241,6 +244,7 @@ class Detector:
     _HANDLERS = {
         ObservationKind.HEARTBEAT: _on_heartbeat,
         ObservationKind.REQUEST_ADMITTED: _on_admitted,
+        ObservationKind.REQUEST_ABANDONED: _on_abandoned,
         ObservationKind.STAGE_SPAN: _on_stage_span,
         ObservationKind.PROGRESS: _on_progress,
         ObservationKind.LOAD: _on_load,

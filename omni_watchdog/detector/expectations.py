@@ -62,6 +62,9 @@ class PendingRequests:
     request's stage spans can arrive before its admission. They are kept, a bounded
     number, and applied when the admission comes: else the request would wait forever
     for spans already seen, and an idle stage would look stalled.
+
+    A request the pipeline abandons (its client went away, a stage failed) leaves every
+    queue: the stages it had not reached will never see it.
     """
 
     def __init__(self, early_requests: int = EARLY_REQUESTS) -> None:
@@ -90,6 +93,13 @@ class PendingRequests:
         if failed or position >= len(pending.path):
             return
         self._enqueue(PendingRequest(request_id, pending.path, position, now))
+
+    def abandon(self, request_id: str) -> None:
+        """The pipeline gave the request up: no stage owes a span for it any more."""
+        pending = self._where.get(request_id)
+        if pending is not None:
+            self._dequeue(pending)
+        self._early.pop(request_id, None)
 
     def overdue(self, stage_id: int, deadline: float, now: float) -> list[PendingRequest]:
         late: list[PendingRequest] = []

@@ -218,7 +218,10 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
     `Orchestrator._handle_add_request(msg)` (`msg.request_id`, `msg.final_stage_id`),
     stage outputs arrive in `OrchestratorBase._handle_processed_outputs(stage_id,
     replica_id, outputs)` with the submit time in `request_states[id].stage_submit_ts`,
-    and `OrchestratorBase.run()` is the coroutine of the orchestrator's own event loop.
+    every request leaves through `OrchestratorBase._cleanup_request_ids(request_ids, *,
+    abort=...)`, with `abort=True` when a client went away, a stage failed or a replica was
+    lost (the stages then drop it and send nothing more), and `OrchestratorBase.run()` is
+    the coroutine of the orchestrator's own event loop.
     """
     orchestrator = ProcessIdentity("orchestrator")
 
@@ -264,6 +267,21 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
                 replica=int(replica_id),
             )
 
+    def make_cleanup(original: Callable[..., Any]) -> Callable[..., Any]:
+        async def _cleanup_request_ids(
+            self: Any, request_ids: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            if kwargs.get("abort"):
+                _quietly(abandon, request_ids)
+            return await original(self, request_ids, *args, **kwargs)
+
+        return _cleanup_request_ids
+
+    def abandon(request_ids: Any) -> None:
+        telemetry = context.telemetry(orchestrator)
+        for request_id in request_ids:
+            telemetry.request_abandoned(str(request_id))
+
     def make_run(original: Callable[..., Any]) -> Callable[..., Any]:
         async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             context.ensure_loop_heartbeat(context.telemetry(orchestrator))
@@ -282,6 +300,7 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
                 make_processed_outputs,
                 checked,
             ),
+            wrap_attribute(module, "OrchestratorBase._cleanup_request_ids", make_cleanup, checked),
             wrap_attribute(module, "OrchestratorBase.run", make_run, checked),
         ]
     )
@@ -359,29 +378,40 @@ def install_omni011_api(context: HookContext) -> bool:
 
     Checked against vLLM-Omni 0.11.0rc1 `vllm_omni/entrypoints/async_omni.py`: every
     request passes through this async generator, through all of `self.stage_list` in
-    order. The first call also starts the API loop's heartbeat (the loop that 0.11 starves).
+    order, and submits a stage only once the one before it answered. A generator closed
+    before its end (the client went away, a stage failed) sends nothing to the stages
+    after the current one. The first call also starts the API loop's heartbeat (the loop
+    that 0.11 starves).
     """
     api = ProcessIdentity("api")
 
     def make_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         async def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            _quietly(admit, self, args, kwargs)
+            request_id = kwargs.get("request_id", args[1] if len(args) > 1 else None)
+            _quietly(admit, self, request_id)
             outputs = original(self, *args, **kwargs)
+            completed = False
             try:
                 async for output in outputs:
                     yield output
+                completed = True
             finally:
+                if not completed:
+                    _quietly(abandon, request_id)
                 await outputs.aclose()
 
         return generate
 
-    def admit(engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def admit(engine: Any, request_id: Any) -> None:
         telemetry = context.telemetry(api)
         context.ensure_loop_heartbeat(telemetry)
-        request_id = kwargs.get("request_id", args[1] if len(args) > 1 else None)
         if request_id is not None:
             stages = range(len(getattr(engine, "stage_list", ())))
             telemetry.request_admitted(str(request_id), stages)
+
+    def abandon(request_id: Any) -> None:
+        if request_id is not None:
+            context.telemetry(api).request_abandoned(str(request_id))
 
     return wrap_attribute(
         "vllm_omni.entrypoints.async_omni",

@@ -41,6 +41,7 @@ TRACES_PATH = "/v1/traces"
 PROCESS_KINDS = frozenset({"api", "stage", "engine", "worker", "orchestrator"})
 
 ADMITTED_SPAN = "omni.request.admitted"
+ABANDONED_SPAN = "omni.request.abandoned"
 STAGE_REQUEST_SPAN = "omni.stage.request"
 LOOP_SPAN = "omni.stage.loop"
 _SCOPE = InstrumentationScope("omni_watchdog.instrument", __version__)
@@ -335,6 +336,20 @@ class StageTelemetry:
             self.emit(ADMITTED_SPAN, attributes, now, now)
         except Exception:
             logger.debug("could not emit an admitted span", exc_info=True)
+
+    def request_abandoned(self, request_id: str) -> None:
+        """The pipeline stopped working on a request before its last stage.
+
+        The client went away, a stage failed or a replica was lost: no stage will send a
+        span for it any more, and the watchdog must stop waiting for one.
+        """
+        if self._processor is None:
+            return
+        try:
+            now = time.time_ns()
+            self.emit(ABANDONED_SPAN, self.span_attributes(request_id), now, now)
+        except Exception:
+            logger.debug("could not emit an abandoned span", exc_info=True)
 
     def stage_request(self, request_id: str) -> AbstractContextManager[None]:
         """A span around this stage's work on one request."""

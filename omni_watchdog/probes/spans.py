@@ -55,6 +55,7 @@ JSON = "application/json"
 
 HEARTBEAT_SPAN = "omni.stage.loop"
 ADMITTED_SPAN = "omni.request.admitted"
+ABANDONED_SPAN = "omni.request.abandoned"
 STAGE_REQUEST_SPAN = "omni.stage.request"
 VLLM_REQUEST_SPAN = "llm_request"
 _STAGE_SPAN_NAMES = frozenset({STAGE_REQUEST_SPAN, VLLM_REQUEST_SPAN})
@@ -514,6 +515,15 @@ class SpanReceiver:
                                 stage=stage,
                                 request_id=str(found.get(REQUEST_ID, "")),
                                 path=_stage_path(found.get(STAGE_PATH)),
+                            )
+                        )
+                    elif name == ABANDONED_SPAN:
+                        observations.append(
+                            Observation(
+                                ObservationKind.REQUEST_ABANDONED,
+                                now,
+                                stage=stage,
+                                request_id=str(found.get(REQUEST_ID, "")),
                             )
                         )
         return accepted, rejected

@@ -53,6 +53,9 @@ class PendingStage:
     running: bool = False
     result: Message | None = None
     error: str | None = None
+    # The client went away: the replica still finishes what it started, as vLLM-Omni
+    # 0.11's stage workers do, and its messages still count until it is done.
+    abandoned: bool = False
 
 
 @dataclass
@@ -182,6 +185,8 @@ class Orchestrator:
             self._metrics.finished(stage, index, 0.0)
             self._metrics.request_failed("stage_error")
             pending.error = str(message["error"])
+        if pending.abandoned and kind in ("done", "error"):
+            del replica.inflight[pending.request_id]
         pending.changed.set()
 
     def _fatal(self, error: str) -> None:
@@ -201,6 +206,9 @@ class Orchestrator:
                 self._metrics.abandoned(
                     replica.spec.stage_id, replica.spec.replica, pending.running
                 )
+                if pending.abandoned:
+                    del replica.inflight[pending.request_id]
+                    continue
                 self._metrics.request_failed("stage_error")
                 pending.error = error
                 pending.changed.set()
@@ -243,9 +251,22 @@ class Orchestrator:
         replica.in_q.put({"type": "fault", "kind": fault.kind.value})
 
     async def generate(self, request_id: str, prompt_tokens: int, tokens: int) -> Completion:
-        """Run one request through every stage of the default path, in order."""
+        """Run one request through every stage of the default path, in order.
+
+        A request that does not get through (its client went away, a stage failed) is
+        reported abandoned, as the watchdog's plugin reports it from vLLM-Omni.
+        """
         path = self.topology.default_path()
         self._telemetry.request_admitted(request_id, path)
+        try:
+            return await self._through_stages(request_id, path, prompt_tokens, tokens)
+        except BaseException:
+            self._telemetry.request_abandoned(request_id)
+            raise
+
+    async def _through_stages(
+        self, request_id: str, path: tuple[int, ...], prompt_tokens: int, tokens: int
+    ) -> Completion:
         first: Message | None = None
         for stage_id in path:
             replica = self._choose(stage_id)
@@ -263,7 +284,10 @@ class Orchestrator:
             try:
                 result = await self._wait(pending)
             finally:
-                replica.inflight.pop(request_id, None)
+                if pending.result is None and pending.error is None:
+                    pending.abandoned = True
+                else:
+                    replica.inflight.pop(request_id, None)
             first = first or result
             prompt_tokens = int(result["tokens"])
         assert first is not None

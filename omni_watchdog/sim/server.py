@@ -167,7 +167,10 @@ class SimServer:
         await self._slow_startup()
         for fault in self.settings.faults:
             self._apply_now(fault)
-        runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False)
+        # vLLM cancels a request whose client went away (`with_cancellation`).
+        runner = web.AppRunner(
+            self.build_app(), access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await runner.setup()
         if not self._shutdown.is_set():
             await web.SockSite(runner, self._listener, shutdown_timeout=0.5).start()

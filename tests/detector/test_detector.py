@@ -406,6 +406,52 @@ def test_stage_spans_that_arrive_before_the_admission_count() -> None:
     assert [detector.in_flight(stage) for stage in (0, 1, 2)] == [0, 0, 0]
 
 
+def test_abandoned_requests_leave_every_stage_queue() -> None:
+    """A client that goes away mid-pipeline: the stages after its current one never see it."""
+    clock = FakeClock()
+    detector = Detector(CONFIG, THREE_STAGES, clock.monotonic())
+    now = clock.monotonic()
+    detector.observe(
+        [
+            Observation(ObservationKind.HEALTH, now, outcome="ok"),
+            *[
+                Observation(ObservationKind.REQUEST_ADMITTED, now, request_id=rid, path=(0, 1, 2))
+                for rid in ("gone-at-0", "gone-at-1", "stays")
+            ],
+            Observation(ObservationKind.STAGE_SPAN, now + 1, S0, 1.0, "ok", request_id="gone-at-1"),
+            Observation(ObservationKind.REQUEST_ABANDONED, now + 2, request_id="gone-at-0"),
+            Observation(ObservationKind.REQUEST_ABANDONED, now + 2, request_id="gone-at-1"),
+            # Abandoned before it was seen, or twice: nothing to forget.
+            Observation(ObservationKind.REQUEST_ABANDONED, now + 2, request_id="unknown"),
+            Observation(ObservationKind.REQUEST_ABANDONED, now + 2, request_id="gone-at-1"),
+        ]
+    )
+    assert [detector.in_flight(stage) for stage in (0, 1, 2)] == [1, 0, 0]
+    for second in range(3, 16):
+        clock.advance(1.0)
+        now = clock.monotonic()
+        detector.observe(
+            [Observation(ObservationKind.HEARTBEAT, now, stage=ref) for ref in (S0, S1, S2)]
+        )
+        if second == 3:
+            # The stage the request had reached may still finish it; nothing waits for it.
+            detector.observe(
+                [
+                    Observation(
+                        ObservationKind.STAGE_SPAN, now, S1, 1.0, "ok", request_id="gone-at-1"
+                    )
+                ]
+            )
+        report = detector.evaluate(now)
+    assert [detector.in_flight(stage) for stage in (0, 1, 2)] == [1, 0, 0]
+    # Past the 10 s deadline: only the request nobody abandoned is owed, by stage 0.
+    overdue = [
+        e.detail for s in report.statuses for e in s.evidence if e.kind is EvidenceKind.SPAN_OVERDUE
+    ]
+    assert overdue == ["1 request(s) past the 10.0s deadline, oldest stays"]
+    assert not kinds_of(report, S1) and not kinds_of(report, S2)
+
+
 def test_early_stage_spans_are_kept_within_a_bound() -> None:
     pending = PendingRequests(early_requests=3)
     for index in range(5):

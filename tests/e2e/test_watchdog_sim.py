@@ -199,6 +199,36 @@ def test_slow_but_alive_is_never_remediated(tmp_path: Path, generation: str) -> 
 
 
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_a_client_that_goes_away_is_not_waited_for(tmp_path: Path, generation: str) -> None:
+    """vLLM drops a request whose client went away: the stages it had not reached never see
+    it, and the watchdog must stop waiting for their spans rather than judge them stalled."""
+
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        detector = watchdog.detector
+        (request,) = in_background(server.url)
+        await wait_for(lambda: detector.in_flight(1) > 0, 15)
+        request.cancel()
+        await wait_for(lambda: all(detector.in_flight(s) == 0 for s in (0, 1, 2)), 10)
+        await wait_for(
+            lambda: all(s.state is StageState.HEALTHY for s in watchdog.last_report.statuses), 15
+        )
+        assert not watchdog.policy.incidents()
+
+    # Half a second a token: the request is still at stage 1 when its client leaves. No
+    # canary: its requests would be at stage 1 too.
+    run(
+        tmp_path,
+        [],
+        generation,
+        body,
+        sim_args=["--token-delay", "0.5"],
+        remediated=False,
+        config=probes_without("canary"),
+    )
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
 def test_slow_startup_is_never_judged(tmp_path: Path, generation: str) -> None:
     async def body(watchdog: Any, server: Any) -> None:
         await wait_for(lambda: watchdog.tracker.target_alive, 15)

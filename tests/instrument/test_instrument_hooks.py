@@ -26,6 +26,7 @@ class FakeTelemetry:
         self.enabled = True
         self.heartbeats = 0
         self.admitted: list[tuple[str, list[int]]] = []
+        self.abandoned: list[str] = []
         self.stage_requests: list[dict[str, Any]] = []
         self.loops: list[asyncio.AbstractEventLoop] = []
 
@@ -38,6 +39,9 @@ class FakeTelemetry:
 
     def request_admitted(self, request_id: str, stage_path: Any) -> None:
         self.admitted.append((request_id, list(stage_path)))
+
+    def request_abandoned(self, request_id: str) -> None:
+        self.abandoned.append(request_id)
 
     def record_stage_request(
         self, request_id: str, start: int, end: int, error: str | None = None, **stage: Any
@@ -179,9 +183,18 @@ def fake_orchestrator(register: Callable[[str], types.ModuleType]) -> type[Any]:
             self, stage_id: int, replica_id: int, outputs: list[Any]
         ) -> None:
             for output in outputs:
-                if output.finished or output.error is not None:
-                    self.request_states.pop(output.request_id, None)
                 self.routed.append(output)
+                if output.error is not None:
+                    await self._cleanup_request_ids([output.request_id], abort=True)
+                elif output.finished:
+                    await self._cleanup_request_ids([output.request_id])
+
+        async def _cleanup_request_ids(
+            self, request_ids: list[str], *, abort: bool = False, release_owners: bool = False
+        ) -> list[Any]:
+            for request_id in request_ids:
+                self.request_states.pop(request_id, None)
+            return []
 
     class Orchestrator(OrchestratorBase):
         async def _handle_add_request(self, msg: Any) -> None:
@@ -211,22 +224,27 @@ def test_omni030_orchestrator_spans(
 
     async def scenario() -> None:
         await orchestrator.run()
-        for request_id in ("ok", "bad"):
+        for request_id in ("ok", "bad", "gone"):
             msg = types.SimpleNamespace(request_id=request_id, final_stage_id=2)
             await orchestrator._handle_add_request(msg)
         await orchestrator._handle_processed_outputs(0, 1, [Output("ok", finished=False)])
         await orchestrator._handle_processed_outputs(
             0, 1, [Output("ok", finished=True), Output("bad", False, "boom")]
         )
+        # The client of "gone" went away: vLLM-Omni aborts it on every stage.
+        await orchestrator._cleanup_request_ids(["gone"], abort=True)
 
     asyncio.run(scenario())
     telemetry = fx.made[ProcessIdentity("orchestrator")]
-    assert telemetry.admitted == [("ok", [0, 1, 2]), ("bad", [0, 1, 2])]
+    assert telemetry.admitted == [("ok", [0, 1, 2]), ("bad", [0, 1, 2]), ("gone", [0, 1, 2])]
     start, end = 10 * 10**9, int(12.5 * 1e9)
     assert telemetry.stage_requests == [
         {"id": "ok", "start": start, "end": end, "error": None, "stage_id": 0, "replica": 1},
         {"id": "bad", "start": start, "end": end, "error": "boom", "stage_id": 0, "replica": 1},
     ]
+    # A request that finished is not abandoned; a failed or aborted one is.
+    assert telemetry.abandoned == ["bad", "gone"]
+    assert orchestrator.request_states == {}
     assert len(telemetry.loops) == 1
     assert len(orchestrator.routed) == 3
 
@@ -296,7 +314,7 @@ def test_omni011_stage_worker_already_running_is_instrumented(
     assert [r["id"] for r in telemetry.stage_requests] == ["ok"]
 
 
-def test_omni011_api_admits_each_request(
+def test_omni011_api_admits_each_request_and_abandons_the_unfinished(
     fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
 ) -> None:
     module = fake_modules("vllm_omni.entrypoints.async_omni")
@@ -314,8 +332,16 @@ def test_omni011_api_admits_each_request(
     async def collect() -> list[str]:
         return [output async for output in AsyncOmni().generate("hi", "r1")]
 
+    async def go_away_after_the_first_stage() -> None:
+        outputs = AsyncOmni().generate("hi", request_id="r2")
+        assert await anext(outputs) == "r2:thinker"
+        await outputs.aclose()
+
     assert asyncio.run(collect()) == ["r1:thinker", "r1:talker", "r1:code2wav"]
-    assert fx.made[ProcessIdentity("api")].admitted == [("r1", [0, 1, 2])]
+    asyncio.run(go_away_after_the_first_stage())
+    telemetry = fx.made[ProcessIdentity("api")]
+    assert telemetry.admitted == [("r1", [0, 1, 2]), ("r2", [0, 1, 2])]
+    assert telemetry.abandoned == ["r2"]
 
 
 def test_legacy_build_app_gets_the_route(

@@ -40,10 +40,13 @@ def test_spans_arrive_with_names_attributes_and_resource(
     with stage_telemetry.stage_request("req-1"):
         pass
     stage_telemetry.record_stage_request("req-2", 1_000, 2_000)
-    assert wait_until(lambda: len(collector.spans) == 3)
+    stage_telemetry.request_abandoned("req-3")
+    assert wait_until(lambda: len(collector.spans) == 4)
     [admitted] = collector.named("omni.request.admitted")
     assert admitted.attributes["omni.request.id"] == "req-1"
     assert admitted.attributes["omni.request.stage_path"] == [0, 1, 2]
+    [abandoned] = collector.named("omni.request.abandoned")
+    assert abandoned.attributes["omni.request.id"] == "req-3"
     stage_spans = collector.named("omni.stage.request")
     assert [span.attributes["omni.request.id"] for span in stage_spans] == ["req-1", "req-2"]
     assert all(span.attributes["omni.stage.id"] == 1 for span in stage_spans)

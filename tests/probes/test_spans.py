@@ -176,6 +176,32 @@ def test_sdk_exporter_spans_become_observations_and_records(compression: Compres
     assert receiver.stats.requests[200] == 1
 
 
+def test_an_abandoned_request_becomes_an_observation() -> None:
+    captured = InMemorySpanExporter()
+    provider = TracerProvider(
+        resource=Resource(dict(STAGE_RESOURCE, **{"omni.process.kind": "api"}))
+    )
+    provider.add_span_processor(SimpleSpanProcessor(captured))
+    provider.get_tracer("omni_watchdog.instrument").start_span(
+        "omni.request.abandoned", attributes={"omni.request.id": "req-9"}, start_time=START
+    ).end(end_time=START)
+    provider.shutdown()
+    receiver = make_receiver()
+
+    async def main() -> SpanExportResult:
+        async with serving(receiver) as url:
+            return await asyncio.to_thread(
+                export_with_sdk, url, list(captured.get_finished_spans())
+            )
+
+    assert asyncio.run(main()) == SpanExportResult.SUCCESS
+    (observation,) = asyncio.run(receiver.collect())
+    assert (observation.kind, observation.request_id) == (
+        ObservationKind.REQUEST_ABANDONED,
+        "req-9",
+    )
+
+
 def otlp_json(request: ExportTraceServiceRequest) -> dict[str, Any]:
     """The OTLP JSON encoding: protobuf's JSON mapping with hex trace and span ids."""
     document = json_format.MessageToDict(request)
