@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -20,6 +20,7 @@ import aiohttp
 import psutil
 from aiohttp import web
 
+from omni_watchdog import process_start
 from omni_watchdog.config import WatchdogConfig, split_host_port
 from omni_watchdog.detector import Detector, DetectorReport
 from omni_watchdog.exporters.prometheus import MetricsExposition, WatchdogStats
@@ -103,10 +104,12 @@ class Watchdog:
         psutil_module: ModuleType = psutil,
         nvml_module: ModuleType | None = None,
         topology: Topology | None = None,
+        start_time: Callable[[int], float] = process_start.start_time,
     ) -> None:
         self.config = config
         self.clock = clock
         self._psutil = psutil_module
+        self._start_time = start_time
         self.topology = topology or (
             load_topology(config.stage_config) if config.stage_config else default_topology()
         )
@@ -156,6 +159,7 @@ class Watchdog:
             target_port=None if config.pid else port,
             pid=config.pid or None,
             topology=self.topology,
+            start_time=self._start_time,
         )
         self.gpu = GpuProbe(self._nvml, self.clock, self.tracker.stage_of) if self._nvml else None
         probes = config.probes
@@ -178,7 +182,7 @@ class Watchdog:
         periodic = [(probe, every) for probe, every in periodic if probe.name in enabled]
 
         self.bundles = BundleWriter(state_dir / "incidents")
-        guard = SignalGuard(self._psutil, self.tracker.is_recorded)
+        guard = SignalGuard(self._psutil, self.tracker.is_recorded, start_time=self._start_time)
         self.actuators = Actuators(guard, session)
         capture = Capturer(
             self.actuators,
@@ -261,7 +265,7 @@ class Watchdog:
     # ---- what the policy reads ----------------------------------------------------
 
     def alive(self, identity: ProcessIdentity) -> bool:
-        return is_alive(self._psutil, identity)
+        return is_alive(self._psutil, identity, self._start_time)
 
     async def read_gpu(self) -> GpuReading | None:
         if self.gpu is None:
@@ -317,9 +321,10 @@ class Watchdog:
                 process = self._psutil.Process(identity.pid)
                 title = " ".join(process.cmdline()) or process.name()
                 pgid = os.getpgid(identity.pid)
+                started = self._start_time(identity.pid)
             except (self._psutil.Error, OSError):
                 continue
-            if abs(process.create_time() - identity.create_time) > 0.01:
+            if abs(started - identity.create_time) > 0.01:
                 continue
             infos.append(
                 ProcessInfo(

@@ -55,6 +55,12 @@ class FakePsutil:
 
         return Handle()
 
+    def start_time(self, pid: int) -> float:
+        """What `process_start.start_time` answers in production."""
+        if pid not in self.table:
+            raise NoSuchProcess(pid)
+        return self.table[pid].create_time
+
     def process_iter(self, attrs: list[str] | None = None) -> list[Any]:
         return [self.Process(pid) for pid in list(self.table)]
 

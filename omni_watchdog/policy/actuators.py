@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from omni_watchdog import process_start
 from omni_watchdog.types import ProcessIdentity, StepOutcome
 
 
@@ -48,8 +49,10 @@ class SignalGuard:
         own_pid: int | None = None,
         own_pgid: int | None = None,
         getpgid: Callable[[int], int] = os.getpgid,
+        start_time: Callable[[int], float] = process_start.start_time,
     ) -> None:
         self._psutil = psutil_module
+        self._start_time = start_time
         self._is_recorded = is_recorded
         self._own_pid = os.getpid() if own_pid is None else own_pid
         self._own_pgid = os.getpgid(0) if own_pgid is None else own_pgid
@@ -64,7 +67,7 @@ class SignalGuard:
         if not self._is_recorded(identity):
             return "not a recorded process of the target"
         try:
-            create_time = self._psutil.Process(identity.pid).create_time()
+            create_time = self._start_time(identity.pid)
         except self._psutil.NoSuchProcess:
             return "already gone"
         except self._psutil.Error as error:
@@ -84,11 +87,11 @@ class SignalGuard:
         if pgid == self._own_pgid:
             return "the watchdog's own process group is never signalled"
         members = 0
-        for process in self._psutil.process_iter(["pid", "create_time"]):
+        for process in self._psutil.process_iter(["pid"]):
             try:
                 if self._getpgid(process.pid) != pgid:
                     continue
-                identity = ProcessIdentity(process.pid, process.info["create_time"])
+                identity = ProcessIdentity(process.pid, self._start_time(process.pid))
                 if process.status() == self._psutil.STATUS_ZOMBIE:
                     continue
             except (ProcessLookupError, self._psutil.Error):
@@ -177,11 +180,15 @@ class Actuators:
         return process.returncode, output.decode(errors="replace")
 
 
-def is_alive(psutil_module: ModuleType, identity: ProcessIdentity) -> bool:
-    """The recorded process still exists: same pid, same create time, not a zombie."""
+def is_alive(
+    psutil_module: ModuleType,
+    identity: ProcessIdentity,
+    start_time: Callable[[int], float] = process_start.start_time,
+) -> bool:
+    """The recorded process still exists: same pid, same start time, not a zombie."""
     try:
         process: Any = psutil_module.Process(identity.pid)
-        if abs(process.create_time() - identity.create_time) > 0.01:
+        if abs(start_time(identity.pid) - identity.create_time) > 0.01:
             return False
         return bool(process.status() != psutil_module.STATUS_ZOMBIE)
     except psutil_module.NoSuchProcess:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
+from omni_watchdog import process_start
 from omni_watchdog.types import (
     Clock,
     Observation,
@@ -122,6 +123,7 @@ class ProcessTracker:
         pid: int | None,
         topology: Topology,
         process_groups: Callable[[int], tuple[int, int]] = os_process_groups,
+        start_time: Callable[[int], float] = process_start.start_time,
     ) -> None:
         if pid is None and target_port is None:
             raise ValueError("ProcessTracker needs the server's pid or its port")
@@ -132,6 +134,7 @@ class ProcessTracker:
         self._pid = pid
         self._topology = topology
         self._process_groups = process_groups
+        self._start_time = start_time
         self._current: _Generation | None = None
         self._previous: _Generation | None = None
         self._learned: dict[int, tuple[StageRef, ProcessRole | None]] = {}
@@ -432,7 +435,7 @@ class ProcessTracker:
                 for parent in top.parents():
                     if parent.pid not in (1, self._own_pid) and self._listens(parent):
                         top = parent
-                roots.add((top.create_time(), top.pid))
+                roots.add((self._start_time(top.pid), top.pid))
             except self._psutil.NoSuchProcess:
                 continue
         if not roots:
@@ -473,7 +476,7 @@ class ProcessTracker:
         """The root (if it is still the same process) and all its descendants."""
         try:
             process = self._psutil.Process(root.pid)
-            if process.create_time() != root.create_time:
+            if self._start_time(root.pid) != root.create_time:
                 return None
             root_snapshot = self._read(process)
             children = process.children(recursive=True)
@@ -505,8 +508,8 @@ class ProcessTracker:
     def _read(self, process: Any) -> _Snapshot:
         """One process's facts; a zombie still has a pid, a start time and a status."""
         psutil = self._psutil
+        create_time = self._start_time(process.pid)
         with process.oneshot():
-            create_time = process.create_time()
             status = STATUS_OF_PSUTIL.get(process.status(), ProcessStatus.SLEEPING)
             ppid = process.ppid()
             try:

@@ -20,6 +20,8 @@ from typing import Any
 
 import psutil
 
+from omni_watchdog.process_start import seconds_after_boot
+
 STATE_ENV = "OMNI_WATCHDOG_SIM_STATE"
 GIB = 1024**3
 MIB = 1024**2
@@ -27,8 +29,6 @@ DEFAULT_DEVICE_BYTES = 24 * GIB
 DEVICE_NAME = "Simulated NVIDIA GPU"
 DEVICES_FILE = "devices.json"
 PROCESS_FILE_PREFIX = "process-"
-# Two readings of one process's start time may differ by a clock tick.
-CREATE_TIME_TOLERANCE_S = 0.05
 
 
 class NVMLError(Exception):
@@ -71,10 +71,13 @@ ProcessLookup = Callable[[int], "tuple[float, bool] | None"]
 
 
 def psutil_lookup(pid: int) -> tuple[float, bool] | None:
-    """(create time, is a zombie) of a live pid, or None once it is gone."""
+    """(seconds after boot it started, is a zombie) of a live pid, or None once it is gone.
+
+    Seconds after boot, not psutil's create time: that moves when the wall clock is stepped,
+    and two processes must agree on it."""
     try:
         process = psutil.Process(pid)
-        return process.create_time(), process.status() == psutil.STATUS_ZOMBIE
+        return seconds_after_boot(pid), process.status() == psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
 
@@ -111,13 +114,11 @@ class GpuAllocations:
     """What one process holds on the simulated devices; only that process writes its file."""
 
     def __init__(
-        self, state_dir: str | Path, pid: int | None = None, create_time: float | None = None
+        self, state_dir: str | Path, pid: int | None = None, started: float | None = None
     ) -> None:
         self.pid = os.getpid() if pid is None else pid
         self._path = gpu_dir(state_dir) / f"{PROCESS_FILE_PREFIX}{self.pid}.json"
-        self._create_time = (
-            psutil.Process(self.pid).create_time() if create_time is None else create_time
-        )
+        self._started = seconds_after_boot(self.pid) if started is None else started
         self._memory: dict[int, int] = {}
         self._utilization: dict[int, int] = {}
 
@@ -144,7 +145,7 @@ class GpuAllocations:
             self._path,
             {
                 "pid": self.pid,
-                "create_time": self._create_time,
+                "started_after_boot": self._started,
                 "memory": {str(k): v for k, v in self._memory.items()},
                 "utilization": {str(k): v for k, v in self._utilization.items()},
             },
@@ -213,7 +214,7 @@ class SimulatedNvml:
             try:
                 document = json.loads(path.read_text())
                 pid = int(document["pid"])
-                create_time = float(document["create_time"])
+                started = float(document["started_after_boot"])
                 memory = {int(k): int(v) for k, v in document["memory"].items()}
                 utilization = {int(k): int(v) for k, v in document["utilization"].items()}
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -221,7 +222,7 @@ class SimulatedNvml:
             alive = self._lookup(pid)
             if alive is None or alive[1]:
                 continue
-            if abs(alive[0] - create_time) > CREATE_TIME_TOLERANCE_S:
+            if alive[0] != started:
                 continue  # the pid was reused by an unrelated process
             holdings.append(_Holding(pid, memory, utilization))
         return holdings

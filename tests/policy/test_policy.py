@@ -79,7 +79,7 @@ class Rig:
         return identity in {p.identity for p in self.processes}
 
     def alive(self, identity: ProcessIdentity) -> bool:
-        return is_alive(self.fake, identity)
+        return is_alive(self.fake, identity, self.fake.start_time)
 
     async def read_gpu(self) -> GpuReading:
         held = {pid: b for pid, b in self.gpu_by_pid.items() if pid in self.fake.table}
@@ -110,7 +110,9 @@ class Rig:
         server_gone: bool = False,
     ) -> Policy:
         config = LadderConfig(term_grace=3.0, kill_grace=1.0, release_timeout=2.0)
-        guard = SignalGuard(self.fake, self.recorded, OWN_PID, OWN_PGID, self.fake.getpgid)
+        guard = SignalGuard(
+            self.fake, self.recorded, OWN_PID, OWN_PGID, self.fake.getpgid, self.fake.start_time
+        )
         actuators = Actuators(guard, session, kill=self.fake.kill, killpg=self.fake.killpg)
         runner = LadderRunner(
             ladder_from_config(config),
@@ -244,7 +246,9 @@ def test_never_the_watchdog_its_group_or_pid_1(tmp_path: Path, fake_psutil: Fake
     assert ("kill", 100, TERM) in fake_psutil.signals
     assert all(s[1] not in (OWN_PID, OWN_PGID, 1) for s in fake_psutil.signals)
     assert OWN_PID in fake_psutil.table and 1 in fake_psutil.table
-    guard = SignalGuard(fake_psutil, rig.recorded, OWN_PID, OWN_PGID, fake_psutil.getpgid)
+    guard = SignalGuard(
+        fake_psutil, rig.recorded, OWN_PID, OWN_PGID, fake_psutil.getpgid, fake_psutil.start_time
+    )
     assert "itself" in guard.check_process(ProcessIdentity(OWN_PID, 100.0))
     assert "pid 1" in guard.check_process(ProcessIdentity(1, 100.0))
     assert "own process group" in guard.check_group(OWN_PGID)

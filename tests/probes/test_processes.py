@@ -23,7 +23,9 @@ import psutil
 import pytest
 
 from omni_watchdog.clock import FakeClock, SystemClock
+from omni_watchdog.policy.actuators import SignalGuard, is_alive
 from omni_watchdog.probes.processes import ProcessTracker
+from omni_watchdog.process_start import start_time
 from omni_watchdog.types import (
     Observation,
     ProbeError,
@@ -86,6 +88,10 @@ class FakePsutil:
         if pid not in self.table:
             raise self.NoSuchProcess(pid)
         return self.table[pid]
+
+    def start_time(self, pid: int) -> float:
+        """What `process_start.start_time` answers in production."""
+        return self.Process(pid).create_time()
 
     def net_connections(self, kind: str) -> list[Any]:
         # Like psutil's socket table: one holder per socket, here the first one listed.
@@ -159,6 +165,7 @@ def fake_tracker(table: FakePsutil, pid: int | None = None, topology: Topology =
         pid=pid,
         topology=topology,
         process_groups=groups_of,
+        start_time=table.start_time,
     )
 
 
@@ -422,6 +429,7 @@ def test_pgids_never_include_the_watchdogs_own_group() -> None:
         pid=None,
         topology=TWO_STAGES,
         process_groups=lambda pid: (7, 7),
+        start_time=table.start_time,
     )
     collect(tracker)
     assert tracker.pgids() == set()
@@ -504,12 +512,12 @@ class Servers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 root = psutil.Process(server.pid)
                 ours.update(
-                    ProcessIdentity(p.pid, p.create_time())
+                    ProcessIdentity(p.pid, start_time(p.pid))
                     for p in (root, *root.children(recursive=True))
                 )
         for identity in ours:
             with contextlib.suppress(psutil.NoSuchProcess):
-                if psutil.Process(identity.pid).create_time() == identity.create_time:
+                if start_time(identity.pid) == identity.create_time:
                     os.kill(identity.pid, signal.SIGKILL)
         for server in self.started:
             server.kill()
@@ -600,6 +608,33 @@ def test_real_tree_attached_by_port(servers: Servers) -> None:
     assert seen[-1].kind.value == "process"
     assert any(o.pid == stopped.pid and o.outcome == "stopped" for o in seen)
     assert tracker.stage_of(stopped.pid) == StageRef(1)
+
+
+def test_a_stepped_wall_clock_leaves_the_recorded_tree_the_same(
+    servers: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    server = servers.start(port)
+    tracker = servers.tracker(port=port)
+    until(tracker, tree_ready)
+    before = {i.identity for i in tracker.live()}
+    engine = engines(tracker)[0]
+    # What the kernel does when the wall clock is stepped (NTP, a VM resumed after a
+    # pause): /proc/stat's boot time moves, and psutil's create times with it.
+    psutil_create_time = psutil.Process(engine.pid).create_time()
+    booted = psutil.boot_time()
+    monkeypatch.setattr(psutil._psplatform, "boot_time", lambda: booted + 30.0)
+    assert psutil.Process(engine.pid).create_time() == pytest.approx(psutil_create_time + 30.0)
+
+    seen: list[Observation] = []
+    until(tracker, lambda t: True, seen)
+    assert tracker.target_alive and tracker.generation == 1
+    assert {i.identity for i in tracker.live()} == before
+    assert not [o for o in seen if o.outcome == "exited"]
+    guard = SignalGuard(psutil, tracker.is_recorded)  # type: ignore[arg-type]
+    assert guard.check_process(engine.identity) == ""
+    assert guard.check_group(server.pid) == ""
+    assert is_alive(psutil, engine.identity)  # type: ignore[arg-type]
 
 
 def test_orphan_after_the_middle_process_is_killed(servers: Servers) -> None:

@@ -29,6 +29,7 @@ from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import load_config, merge_layers
 from omni_watchdog.demo import free_port, wait_for
 from omni_watchdog.log import configure_logging
+from omni_watchdog.process_start import start_time
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO / ".venv-vllm"
@@ -140,7 +141,7 @@ class VllmServer:
             return []
         for process in processes:
             with contextlib.suppress(psutil.Error):
-                self.seen.setdefault(process.pid, process.create_time())
+                self.seen.setdefault(process.pid, start_time(process.pid))
         return processes
 
     def titled(self, title: str) -> psutil.Process:
@@ -155,13 +156,13 @@ class VllmServer:
         for pid, started in self.seen.items():
             with contextlib.suppress(psutil.Error):
                 process = psutil.Process(pid)
-                if process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE:
+                if start_time(pid) == started and process.status() != psutil.STATUS_ZOMBIE:
                     alive.append(pid)
         return alive
 
     def signal(self, process: psutil.Process, signum: signal.Signals) -> None:
         """Send `signum` to a process of this server's tree, and to nothing else."""
-        assert process.pid in self.seen and process.create_time() == self.seen[process.pid]
+        assert process.pid in self.seen and start_time(process.pid) == self.seen[process.pid]
         process.send_signal(signum)
 
     async def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:

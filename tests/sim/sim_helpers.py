@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 
 from omni_watchdog.demo import REPORT_REQUEST
+from omni_watchdog.process_start import start_time
 from omni_watchdog.sim.nvml import STATE_ENV, SimulatedNvml
 
 START_TIMEOUT_S = 30.0
@@ -141,7 +142,7 @@ class Sim:
 
     def _remember(self, pid: int) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
-            self.known.setdefault(pid, psutil.Process(pid).create_time())
+            self.known.setdefault(pid, start_time(pid))
 
     def stage(self, stage: int, replica: int = 0) -> dict[str, Any]:
         return next(
@@ -195,15 +196,15 @@ class Sim:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         try:
-            for pid in self.gpu_pids():  # the stand-in checks each pid's create time
+            for pid in self.gpu_pids():  # the stand-in checks each pid's start time
                 self._remember(pid)
         except Exception:
             pass  # no device file: the sim never got that far
-        for pid, create_time in self.known.items():
+        for pid, started in self.known.items():
             try:
                 process = psutil.Process(pid)
                 # Only a process this test started: the pid and its start time both match.
-                if abs(process.create_time() - create_time) < 0.05:
+                if start_time(pid) == started:
                     process.kill()
             except psutil.NoSuchProcess:
                 pass

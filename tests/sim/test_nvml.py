@@ -18,13 +18,13 @@ def fake_table(table: dict[int, tuple[float, bool]]) -> nvml.ProcessLookup:
     return table.get
 
 
-def hold(state: Path, pid: int, create_time: float, nbytes: int, percent: int = 0) -> None:
-    holder = GpuAllocations(state, pid=pid, create_time=create_time)
+def hold(state: Path, pid: int, started: float, nbytes: int, percent: int = 0) -> None:
+    holder = GpuAllocations(state, pid=pid, started=started)
     holder.hold_memory(0, nbytes)
     holder.set_utilization(0, percent)
 
 
-def test_memory_counts_only_for_live_non_zombie_pids_with_their_create_time(
+def test_memory_counts_only_for_live_non_zombie_pids_with_their_start_time(
     tmp_path: Path,
 ) -> None:
     write_devices(tmp_path, 2)

@@ -1,0 +1,46 @@
+"""When a process started, on a clock that stepping the wall clock does not move.
+
+A process is named for life by its pid and its start. psutil's `create_time()` gives the
+start as clock ticks after boot plus the boot time as /proc/stat states it at the moment
+of the call, and that boot time moves whenever the wall clock is stepped (NTP, a VM
+resumed after a pause). Every process recorded before such a step would then look like
+a stranger holding a recorded pid: counted as exited while it lives on with its GPU
+memory, and never signalled. Here the ticks are read from /proc and the boot time is the
+one this process read first, so a start time stays the same for the watchdog's life.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import psutil
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PROC = Path("/proc")
+# Fields of /proc/<pid>/stat counted after the command name: state is 0, starttime 19.
+_STARTTIME_FIELD = 19
+
+
+def seconds_after_boot(pid: int, proc: Path = PROC) -> float:
+    """When `pid` started, in seconds after boot; psutil.NoSuchProcess once it is gone."""
+    try:
+        stat = (proc / str(pid) / "stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        raise psutil.NoSuchProcess(pid) from None
+    # The command name, in parentheses, may itself hold spaces and parentheses.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[_STARTTIME_FIELD]) / CLOCK_TICKS
+
+
+@functools.cache
+def first_boot_time() -> float:
+    """The boot time as this process first read it; later reads move with the clock."""
+    return float(psutil.boot_time())
+
+
+def start_time(pid: int) -> float:
+    """When `pid` started, in seconds since the epoch, the same value for this process's
+    life; psutil.NoSuchProcess once it is gone."""
+    return first_boot_time() + seconds_after_boot(pid)
