@@ -274,6 +274,7 @@ class IncidentOutcome(str, enum.Enum):
     RECOVERED_BY_KILL = "recovered_by_kill"
     CRASHED = "crashed"
     LEAKED = "leaked"
+    UNKILLABLE = "unkillable"
     FAILED = "failed"
     PLANNED = "planned"
     OBSERVED = "observed"
