@@ -35,9 +35,12 @@ RUN pip install --no-cache-dir --no-index --find-links /wheels omni-watchdog \
     && install -d -o 10001 -g 10001 /var/lib/omni-watchdog
 
 # Every setting is an OMNI_WATCHDOG_* variable (`omni-watchdog config --defaults`); these
-# make the defaults fit a container: listen beyond loopback, keep state in a volume.
+# make the defaults fit a container: the API listens beyond loopback for probes and
+# scrapes, state is kept in a volume. The OTLP receiver stays on loopback, where the
+# server reaches it in a shared network namespace (a pod, or compose's network_mode
+# service:); any other address also needs OMNI_WATCHDOG_OTLP_TOKEN.
 ENV OMNI_WATCHDOG_LISTEN=0.0.0.0:9464 \
-    OMNI_WATCHDOG_SPANS_OTLP_LISTEN=0.0.0.0:4318 \
+    OMNI_WATCHDOG_SPANS_OTLP_LISTEN=127.0.0.1:4318 \
     OMNI_WATCHDOG_STATE_DIR=/var/lib/omni-watchdog \
     OMNI_WATCHDOG_TARGET=http://127.0.0.1:8000 \
     PYTHONUNBUFFERED=1
@@ -46,7 +49,7 @@ ENV OMNI_WATCHDOG_LISTEN=0.0.0.0:9464 \
 USER 10001
 WORKDIR /var/lib/omni-watchdog
 VOLUME ["/var/lib/omni-watchdog"]
-EXPOSE 9464 4318
+EXPOSE 9464
 
 # The watchdog's own health on the port OMNI_WATCHDOG_LISTEN names.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \

@@ -35,6 +35,9 @@ from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import PROTOBUF, SpanReceiver
+from omni_watchdog.process_start import START_TICKS_KEY
+from omni_watchdog.serving import Listener, ListenerLimits, RateLimitedLog
+from omni_watchdog.types import StageRef
 
 SECTION = "OTLP ingest"
 BATCH_SPANS = 512
@@ -42,6 +45,22 @@ TARGET_SPANS_PER_SECOND = 50_000
 TARGET_RATIO = 0.5
 HEARTBEAT_EVERY = 16
 _START_NANOS = 1_796_221_666_000_000_000
+PLUGIN_PID = 4242
+PLUGIN_START_TICKS = 123_456
+
+
+class RecordedTree:
+    """Whom spans may speak for, as the tracker answers it for a server with one stage
+    process (the plugin's sender) and plain vLLM's stage 0."""
+
+    def owns(self, pid: int | None, start_ticks: int | None) -> bool:
+        return (pid, start_ticks) == (PLUGIN_PID, PLUGIN_START_TICKS)
+
+    def knows(self, stage: StageRef) -> bool:
+        return stage.stage_id in (0, 1) and stage.replica == 0
+
+    def maps(self, stage: StageRef) -> bool:
+        return self.knows(stage)
 
 
 def _key_value(key: str, value: object) -> KeyValue:
@@ -95,7 +114,8 @@ def omni_stage_body(spans: int = BATCH_SPANS) -> bytes:
             "telemetry.sdk.version": "1.45.2",
             "service.name": "vllm-omni",
             "omni.process.kind": "stage",
-            "process.pid": 4242,
+            "process.pid": PLUGIN_PID,
+            START_TICKS_KEY: PLUGIN_START_TICKS,
             "omni.stage.name": "talker",
             "omni.stage.id": 1,
             "omni.stage.replica": 0,
@@ -153,7 +173,7 @@ def vllm_request_body(spans: int = BATCH_SPANS) -> bytes:
 def new_receiver() -> SpanReceiver:
     """A receiver with a queue that a benchmark can fill without 503s."""
     config = SpansConfig(queue_size=1_000_000)
-    return SpanReceiver(config, SystemClock(), SpanStore(config.ring_size))
+    return SpanReceiver(config, SystemClock(), SpanStore(config.ring_size), senders=RecordedTree())
 
 
 def _time(action: Callable[[], object], repeat: int) -> float:
@@ -204,8 +224,10 @@ def measure(body: bytes, runs: int = 7, repeat: int = 40) -> IngestFigures:
 
 async def _http_spans_per_second(body: bytes, requests: int, concurrency: int) -> float:
     receiver = new_receiver()
-    await receiver.serve("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{receiver.bound_port}/v1/traces"
+    listener = Listener(
+        receiver.app(), "otlp", ListenerLimits(10.0, 256), RateLimitedLog(lambda: None)
+    )
+    url = f"http://127.0.0.1:{await listener.start('127.0.0.1', 0)}/v1/traces"
     spans = ExportTraceServiceRequest.FromString(body)
     count = sum(len(scope.spans) for rs in spans.resource_spans for scope in rs.scope_spans)
     try:
@@ -225,7 +247,7 @@ async def _http_spans_per_second(body: bytes, requests: int, concurrency: int) -
             await asyncio.gather(*(post(requests // concurrency) for _ in range(concurrency)))
             elapsed = time.perf_counter() - start
     finally:
-        await receiver.close()
+        await listener.close()
     return count * (requests // concurrency) * concurrency / elapsed
 
 

@@ -1,9 +1,10 @@
 """Memory: the watchdog's resident set with 100,000 requests in flight.
 
 `omni-watchdog run` starts as its own process (observe mode, the report's 3-stage
-config, no GPU backend). This process sends it 100,000 `omni.request.admitted` spans over
-OTLP/HTTP, shaped as the instrument plugin sends them (request id, stage path 0 -> 1 -> 2),
-and no stage span, so every request stays pending at stage 0. Once the watchdog's
+config, no GPU backend) and watches a plain HTTP server. This process sends it 100,000
+`omni.request.admitted` spans over OTLP/HTTP, shaped as the instrument plugin in that
+server would send them (its pid and start, request id, stage path 0 -> 1 -> 2), and no
+stage span, so every request stays pending at stage 0. Once the watchdog's
 `/metrics` shows them all in flight, the watchdog's RSS is read with psutil from outside;
 the figure is the largest of several readings a few evaluation cycles apart.
 """
@@ -26,7 +27,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import record
-from watchdog_process import start_watchdog
+from watchdog_process import start_plain_target, start_watchdog, target_resource, wait_attached
 
 from omni_watchdog.demo import free_port
 from omni_watchdog.instrument.telemetry import ADMITTED_SPAN
@@ -45,7 +46,7 @@ def _string(key: str, value: str) -> KeyValue:
     return KeyValue(key=key, value=AnyValue(string_value=value))
 
 
-def admitted_body(first: int, count: int) -> bytes:
+def admitted_body(first: int, count: int, server_pid: int) -> bytes:
     """`count` admitted spans from the API server, as the plugin exports them."""
     request = ExportTraceServiceRequest()
     resource_spans = request.resource_spans.add()
@@ -53,7 +54,7 @@ def admitted_body(first: int, count: int) -> bytes:
         [
             _string("service.name", "vllm-omni"),
             _string("omni.process.kind", "api"),
-            KeyValue(key="process.pid", value=AnyValue(int_value=4242)),
+            *target_resource(server_pid),
         ]
     )
     scope_spans = resource_spans.scope_spans.add()
@@ -80,26 +81,14 @@ async def in_flight(session: aiohttp.ClientSession, api_url: str) -> int:
     return int(float(match.group(1))) if match else 0
 
 
-async def wait_until_up(session: aiohttp.ClientSession, api_url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            async with session.get(api_url + "/healthz") as response:
-                if response.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the watchdog did not answer within {timeout:g}s")
-        await asyncio.sleep(0.2)
-
-
-async def measure(process: psutil.Process, api_port: int, otlp_port: int) -> tuple[float, float]:
+async def measure(
+    process: psutil.Process, api_port: int, otlp_port: int, server_pid: int
+) -> tuple[float, float]:
     """(RSS before the spans, largest RSS with all requests in flight), in bytes."""
     api_url = f"http://127.0.0.1:{api_port}"
-    bodies = [admitted_body(first, BATCH) for first in range(0, REQUESTS, BATCH)]
+    bodies = [admitted_body(first, BATCH, server_pid) for first in range(0, REQUESTS, BATCH)]
     async with aiohttp.ClientSession() as session:
-        await wait_until_up(session, api_url, 30)
+        await wait_attached(session, api_url, server_pid, 30)
         await asyncio.sleep(2.0)  # a few probe and evaluation cycles, as in steady state
         before = process.memory_info().rss
         for body in bodies:
@@ -130,20 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="omni-bench-memory-"))
-    api_port, otlp_port = free_port(), free_port()
+    api_port, otlp_port, server_port = free_port(), free_port(), free_port()
+    server = start_plain_target(server_port)
     watchdog = start_watchdog(
         workdir,
-        f"http://127.0.0.1:{free_port()}",
+        f"http://127.0.0.1:{server_port}",
         api_port,
         otlp_port,
         # A queue that holds the whole burst, so that none of it is refused with 503.
         [f"spans.queue_size={REQUESTS // BATCH * 2}"],
     )
     try:
-        before, after = asyncio.run(measure(psutil.Process(watchdog.pid), api_port, otlp_port))
+        before, after = asyncio.run(
+            measure(psutil.Process(watchdog.pid), api_port, otlp_port, server.pid)
+        )
     finally:
         watchdog.terminate()
         watchdog.wait(timeout=10)
+        server.terminate()
+        server.wait(timeout=10)
     megabytes = after / 1e6
     per_request = (after - before) / REQUESTS
     ok = megabytes <= TARGET_MB

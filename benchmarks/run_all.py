@@ -14,6 +14,7 @@ BENCHMARKS = [
     "bench_soak.py",
     "bench_overhead.py",
     "bench_memory.py",
+    "bench_hostile.py",
 ]
 
 

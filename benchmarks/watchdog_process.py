@@ -1,13 +1,58 @@
-"""`omni-watchdog run` as a separate process, as the overhead and memory benchmarks use it."""
+"""`omni-watchdog run` as a separate process, and a plain server for it to watch, as the
+overhead, memory and hostile-input benchmarks use them."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import aiohttp
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
 from omni_watchdog.demo import example_config
+from omni_watchdog.process_start import sender_attributes
+
+
+def start_plain_target(port: int) -> subprocess.Popen[bytes]:
+    """A plain HTTP server on loopback: a target whose whole tree is one process."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def target_resource(pid: int) -> list[KeyValue]:
+    """The resource the instrument plugin would export from process `pid`: the watchdog
+    takes spans as evidence only from the target's own processes."""
+    resource = [KeyValue(key="process.pid", value=AnyValue(int_value=pid))]
+    for key, value in sender_attributes(pid).items():
+        if isinstance(value, int):
+            resource.append(KeyValue(key=key, value=AnyValue(int_value=value)))
+        else:
+            resource.append(KeyValue(key=key, value=AnyValue(string_value=value)))
+    return resource
+
+
+async def wait_attached(
+    session: aiohttp.ClientSession, api_url: str, pid: int, timeout: float
+) -> None:
+    """Until the watchdog's /v1/status shows it attached to `pid`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            async with session.get(api_url + "/v1/status") as response:
+                if response.status == 200 and (await response.json())["target"]["pid"] == pid:
+                    return
+        except aiohttp.ClientError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the watchdog did not attach to pid {pid} within {timeout:g}s")
+        await asyncio.sleep(0.2)
 
 
 def start_watchdog(

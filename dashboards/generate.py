@@ -80,6 +80,7 @@ def stat(
     mappings: list[dict[str, Any]] | None = None,
     thresholds: list[tuple[float | None, str]] | None = None,
     legend: str = "__auto",
+    unit: str = "short",
 ) -> dict[str, Any]:
     steps = [{"value": v, "color": c} for v, c in thresholds or [(None, "green")]]
     return {
@@ -90,6 +91,7 @@ def stat(
         "targets": [target(expr, legend)],
         "fieldConfig": {
             "defaults": {
+                "unit": unit,
                 "mappings": mappings or [],
                 "thresholds": {"mode": "absolute", "steps": steps},
                 "color": {"mode": "thresholds"},
@@ -485,6 +487,97 @@ def remediation(layout: Layout) -> None:
 def watchdog(layout: Layout) -> None:
     layout.row("Watchdog")
     layout.add(
+        stat(
+            "Evaluation age",
+            "Seconds since the detector last judged the stages; normally under 1 s. Past 10 s"
+            " the watchdog cannot detect a hang (OmniWatchdogNotEvaluating).",
+            f"omni_watchdog_evaluation_age_seconds{{{INSTANCE}}}",
+            thresholds=[(None, "green"), (5, "orange"), (10, "red")],
+            legend="{{instance}}",
+            unit="s",
+        ),
+        6,
+        4,
+    )
+    layout.add(
+        stat(
+            "Target lock",
+            "Whether another watchdog or a foreign file holds the target's lock, so this"
+            " watchdog only observes (/v1/status has the reason under lock).",
+            f"omni_watchdog_target_lock_conflict{{{INSTANCE}}}",
+            [yes_no("no conflict", "observing only", bad_when_zero=False)],
+            legend="{{instance}}",
+        ),
+        6,
+        4,
+    )
+    layout.add(
+        stat(
+            "Internal errors, last hour",
+            "Exceptions caught in the watchdog's own loops in the last hour; each loop went on.",
+            f"sum by (instance) (increase(omni_watchdog_internal_errors_total{{{INSTANCE}}}[1h]))",
+            thresholds=[(None, "green"), (1, "orange")],
+            legend="{{instance}}",
+        ),
+        6,
+        4,
+    )
+    layout.add(
+        stat(
+            "State write errors, last hour",
+            "Failed writes of the incident journal and bundles in the last hour; remediation"
+            " went on without them.",
+            "sum by (instance) (increase(omni_watchdog_state_write_errors_total"
+            f"{{{INSTANCE}}}[1h]))",
+            thresholds=[(None, "green"), (1, "orange")],
+            legend="{{instance}}",
+        ),
+        6,
+        4,
+    )
+    layout.add(
+        timeseries(
+            "Evaluation age",
+            "Seconds since the detector last judged the stages.",
+            [target(f"omni_watchdog_evaluation_age_seconds{{{INSTANCE}}}", "{{instance}}")],
+            unit="s",
+        ),
+        8,
+        8,
+    )
+    layout.add(
+        timeseries(
+            "Internal errors by loop",
+            "Exceptions caught in each of the watchdog's loops in each interval.",
+            [
+                target(
+                    "sum by (loop) (increase(omni_watchdog_internal_errors_total"
+                    f"{{{INSTANCE}}}[$__rate_interval])) > 0",
+                    "{{loop}}",
+                )
+            ],
+            bars=True,
+        ),
+        8,
+        8,
+    )
+    layout.add(
+        timeseries(
+            "State write errors",
+            "Failed writes to the state directory (journal, bundles) in each interval.",
+            [
+                target(
+                    "sum by (instance) (increase(omni_watchdog_state_write_errors_total"
+                    f"{{{INSTANCE}}}[$__rate_interval])) > 0",
+                    "{{instance}}",
+                )
+            ],
+            bars=True,
+        ),
+        8,
+        8,
+    )
+    layout.add(
         timeseries(
             "Probes up",
             "Whether each probe's last run succeeded.",
@@ -537,6 +630,23 @@ def watchdog(layout: Layout) -> None:
     )
     layout.add(
         timeseries(
+            "Connections closed",
+            "Connections the API and OTLP listeners closed in each interval: over their"
+            " connection cap, or without a whole request head in time.",
+            [
+                target(
+                    "sum by (listener, reason) (increase(omni_watchdog_connections_closed_total"
+                    f"{{{INSTANCE}}}[$__rate_interval])) > 0",
+                    "{{listener}} {{reason}}",
+                )
+            ],
+            bars=True,
+        ),
+        8,
+        8,
+    )
+    layout.add(
+        timeseries(
             "Target processes",
             "Recorded live processes of the server by role and status, and orphans.",
             [
@@ -548,7 +658,7 @@ def watchdog(layout: Layout) -> None:
                 target(f"omni_watchdog_orphaned_processes{{{INSTANCE}}}", "orphaned", "B"),
             ],
         ),
-        12,
+        8,
         8,
     )
     layout.add(
@@ -562,7 +672,7 @@ def watchdog(layout: Layout) -> None:
                 )
             ],
         ),
-        12,
+        8,
         8,
     )
 

@@ -2,6 +2,8 @@
 
 Everything runs on one event loop. Each probe has its own periodic task, so a probe that
 hangs or fails only delays itself; the evaluation task judges every `_EVALUATE_EVERY`.
+Every loop survives its own errors: each is logged once with its traceback, counted by
+loop, and the loop goes on; /healthz fails once evaluations stop.
 """
 
 from __future__ import annotations
@@ -33,8 +35,12 @@ from omni_watchdog.policy.incidents import (
     BundleWriter,
     EnforcementBudget,
     IncidentJournal,
+    JournalEntry,
+    StateWriteErrors,
     TargetLock,
+    lock_dir_for,
 )
+from omni_watchdog.policy.inspect import read_condition
 from omni_watchdog.policy.ladder import (
     GpuReading,
     LadderRunner,
@@ -50,7 +56,14 @@ from omni_watchdog.probes.metrics import MetricsProbe
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import SpanForwarder, SpanReceiver
-from omni_watchdog.topology import default_topology, load_topology
+from omni_watchdog.redact import redact_argv
+from omni_watchdog.serving import (
+    Listener,
+    ListenerLimits,
+    RateLimitedLog,
+    install_loop_error_handler,
+)
+from omni_watchdog.topology import TopologySenders, default_topology, load_topology
 from omni_watchdog.types import (
     Clock,
     HealthOutcome,
@@ -67,6 +80,9 @@ from omni_watchdog.types import (
 logger = logging.getLogger("omni_watchdog.app")
 
 _EVALUATE_EVERY = 0.25
+INTERNAL_ERROR_LOOPS = ("evaluate", "ingest", "ladder", "listener")
+# Distinct internal errors logged with their traceback; repeats are only counted.
+_LOGGED_ERRORS_LIMIT = 256
 _SPANS_EVERY = 0.1
 _CANARY_CHECK_EVERY = 0.25
 _ANSWERED = frozenset({HealthOutcome.OK.value, HealthOutcome.UNHEALTHY.value})
@@ -127,7 +143,12 @@ class Watchdog:
         self.exposition = MetricsExposition(self, self.stats)
         self.traces: IncidentTraces | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._runners: list[web.AppRunner] = []
+        self.listeners: dict[str, Listener] = {}
+        self.internal_errors = dict.fromkeys(INTERNAL_ERROR_LOOPS, 0)
+        self._logged_errors: set[tuple[str, str, str]] = set()
+        self.last_evaluation: float | None = None
+        self.write_errors = StateWriteErrors()
+        self._adopted: set[ProcessIdentity] = set()
         self._session: aiohttp.ClientSession | None = None
         self._generation = 0
         self._stopping = asyncio.Event()
@@ -141,7 +162,6 @@ class Watchdog:
         self._session = aiohttp.ClientSession()
         session = self._session
         state_dir = config.resolved_state_dir()
-        state_dir.mkdir(parents=True, exist_ok=True)
         target = config.target
         port = urlparse(target).port or (443 if target.startswith("https") else 80)
 
@@ -151,7 +171,6 @@ class Watchdog:
             if config.spans.forward_endpoint
             else None
         )
-        self.receiver = SpanReceiver(config.spans, self.clock, self.store, forwarder)
         self.tracker = ProcessTracker(
             self._psutil,
             self.clock,
@@ -160,6 +179,19 @@ class Watchdog:
             pid=config.pid or None,
             topology=self.topology,
             start_time=self._start_time,
+        )
+        watching_processes = "processes" in config.probes.enabled
+        self.receiver = SpanReceiver(
+            config.spans,
+            self.clock,
+            self.store,
+            forwarder,
+            senders=self.tracker if watching_processes else TopologySenders(self.topology),
+            token=config.otlp_token,
+            boot_id=process_start.boot_id(),
+            # A new process's spans wait for the tracker's next scans before they count as
+            # a stranger's.
+            sender_grace=max(2.0, 4 * config.probes.interval),
         )
         self.gpu = GpuProbe(self._nvml, self.clock, self.tracker.stage_of) if self._nvml else None
         probes = config.probes
@@ -181,8 +213,8 @@ class Watchdog:
             self._probe_failed("gpu", "no NVML backend (gpu_backend none)")
         periodic = [(probe, every) for probe, every in periodic if probe.name in enabled]
 
-        self.bundles = BundleWriter(state_dir / "incidents")
-        guard = SignalGuard(self._psutil, self.tracker.is_recorded, start_time=self._start_time)
+        self.bundles = BundleWriter(state_dir / "incidents", self.write_errors)
+        guard = SignalGuard(self._psutil, self._is_recorded, start_time=self._start_time)
         self.actuators = Actuators(guard, session)
         capture = Capturer(
             self.actuators,
@@ -209,30 +241,35 @@ class Watchdog:
             config.resolved_admin_url(),
             config.admin_token,
             server_gone=self._server_gone,
+            inspect=lambda identity: read_condition(identity, self._psutil),
+            report=self.bundles.write_json,
         )
         self.policy = Policy(
             config.mode,
             runner,
-            IncidentJournal(state_dir / "journal.jsonl"),
+            IncidentJournal(state_dir / "journal.jsonl", self.write_errors),
             EnforcementBudget(config.ladder.budget_per_hour),
-            TargetLock(),
+            TargetLock(lock_dir_for(state_dir, os.environ)),
             self.bundles,
             self.clock,
             self.alive,
+            self._internal_error,
         )
         self.stats.ignore_closed(self.policy.incidents())
         if config.otlp_export_endpoint:
             self.traces = IncidentTraces(config.otlp_export_endpoint)
 
-        await self._serve(self.receiver.app(), config.spans.otlp_listen, "otlp")
+        listener_errors = RateLimitedLog(lambda: self._count_internal_error("listener"))
+        install_loop_error_handler(asyncio.get_running_loop(), listener_errors)
+        await self._serve(self.receiver.app(), config.spans.otlp_listen, "otlp", listener_errors)
         from omni_watchdog.exporters.api import build_api
 
-        await self._serve(build_api(self), config.listen, "api")
+        await self._serve(build_api(self), config.listen, "api", listener_errors)
         for probe, every in periodic:
             self.probe_health[probe.name] = ProbeHealth(probe.name)
             self._spawn(self._probe_loop(probe, every))
         self._spawn(self._evaluate_loop())
-        self.policy.resume(self._snapshot_of_identities)
+        await self.policy.resume(self._snapshot_of_entry)
         log_event(
             logger,
             "watchdog_started",
@@ -251,8 +288,12 @@ class Watchdog:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        for runner in self._runners:
-            await runner.cleanup()
+        for listener in self.listeners.values():
+            await listener.close()
+        # A watchdog stopped before start() got that far has no policy to close.
+        policy: Policy | None = getattr(self, "policy", None)
+        if policy is not None:
+            await policy.close()
         if self._session is not None:
             await self._session.close()
         if self.traces is not None:
@@ -311,15 +352,20 @@ class Watchdog:
             gpu_held(reading, recorded),
         )
 
-    def _snapshot_of_identities(
-        self, root: ProcessIdentity | None, identities: tuple[ProcessIdentity, ...]
-    ) -> TargetSnapshot:
-        """A journal's processes, as far as they are still the same processes."""
+    def _is_recorded(self, identity: ProcessIdentity) -> bool:
+        """A process of the target's tree, as the tracker or a resumed journal recorded it."""
+        return identity in self._adopted or self.tracker.is_recorded(identity)
+
+    async def _snapshot_of_entry(self, entry: JournalEntry) -> TargetSnapshot:
+        """A journal's processes, as far as they are still the same processes, adopted as
+        recorded (the tracker has not scanned yet, and may attach elsewhere), with the GPU
+        baseline the incident opened with, or one read now."""
+        root = entry.root
         infos = []
-        for identity in identities:
+        for identity in entry.processes:
             try:
                 process = self._psutil.Process(identity.pid)
-                title = " ".join(process.cmdline()) or process.name()
+                title = " ".join(redact_argv(process.cmdline())) or process.name()
                 pgid = os.getpgid(identity.pid)
                 started = self._start_time(identity.pid)
             except (self._psutil.Error, OSError):
@@ -339,24 +385,49 @@ class Watchdog:
                     ProcessRole.API if identity == root else ProcessRole.HELPER,
                 )
             )
-        return TargetSnapshot(self.config.target, root, tuple(infos), None)
+        self._adopted.update(info.identity for info in infos)
+        baseline = entry.gpu_baseline
+        if baseline is None:
+            baseline = gpu_baseline(await self.read_gpu(), tuple(infos))
+        return TargetSnapshot(self.config.target, root, tuple(infos), baseline)
 
     # ---- loops --------------------------------------------------------------------
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coroutine))
 
-    async def _serve(self, app: web.Application, listen: str, which: str) -> None:
+    async def _serve(
+        self, app: web.Application, listen: str, which: str, errors: RateLimitedLog
+    ) -> None:
         host, port = split_host_port(listen, which)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        bound = int(runner.addresses[0][1])
-        self._runners.append(runner)
+        limits = ListenerLimits(self.config.header_timeout, self.config.max_connections)
+        listener = Listener(app, which, limits, errors)
+        bound = await listener.start(host, port)
+        self.listeners[which] = listener
         if which == "otlp":
             self.otlp_port = bound
         else:
             self.api_port = bound
+
+    def evaluation_age(self) -> float | None:
+        """Seconds since the detector last evaluated; None before the first evaluation."""
+        if self.last_evaluation is None:
+            return None
+        return self.clock.monotonic() - self.last_evaluation
+
+    def _internal_error(self, loop: str, error: Exception) -> None:
+        """Log an error of the watchdog's own code once with its traceback; count each."""
+        self._count_internal_error(loop)
+        key = (loop, type(error).__name__, str(error)[:200])
+        if key in self._logged_errors or len(self._logged_errors) >= _LOGGED_ERRORS_LIMIT:
+            return
+        self._logged_errors.add(key)
+        log_event(
+            logger, "internal_error", logging.ERROR, exc_info=error, loop=loop, error=repr(error)
+        )
+
+    def _count_internal_error(self, loop: str) -> None:
+        self.internal_errors[loop] += 1
 
     async def _probe_loop(self, probe: Probe, every: float) -> None:
         health = self.probe_health[probe.name]
@@ -371,7 +442,10 @@ class Watchdog:
             else:
                 health.up = True
                 health.last_error = ""
-                self._take(probe, observations)
+                try:
+                    self._take(probe, observations)
+                except Exception as error:
+                    self._internal_error("ingest", error)
             health.last_duration = self.clock.monotonic() - begun
             await asyncio.sleep(max(0.0, every - health.last_duration))
 
@@ -410,6 +484,7 @@ class Watchdog:
         self._server_reports_failure = False
         self.detector = Detector(self.config.detection, self.topology, self.clock.monotonic())
         root = self.tracker.root
+        self.policy.on_attach(root.identity if root else None)
         log_event(
             logger,
             "attached",
@@ -420,29 +495,37 @@ class Watchdog:
 
     async def _evaluate_loop(self) -> None:
         while True:
-            report = self.detector.evaluate(self.clock.monotonic())
-            self.last_report = report
-            for verdict in report.verdicts:
-                log_event(
-                    logger,
-                    "verdict",
-                    stage=str(verdict.stage),
-                    state=verdict.state.value,
-                    evidence=[f"{e.kind.value}: {e.detail}" for e in verdict.evidence],
-                )
-            if report.target_exit is not None:
-                log_event(
-                    logger,
-                    "target_exited",
-                    crashed=report.target_exit.crashed,
-                    reasons=list(report.target_exit.reasons),
-                )
-            self.stats.count_verdicts(report.verdicts)
-            self.policy.on_report(report, self.snapshot)
-            for incident in self.stats.count_incidents(self.policy.incidents()):
-                if self.traces is not None:
-                    self.traces.export(incident)
+            try:
+                self._evaluate()
+            except Exception as error:
+                self._internal_error("evaluate", error)
             await asyncio.sleep(_EVALUATE_EVERY)
+
+    def _evaluate(self) -> None:
+        """Judge the stages once, and hand the report to the policy."""
+        report = self.detector.evaluate(self.clock.monotonic())
+        self.last_report = report
+        for verdict in report.verdicts:
+            log_event(
+                logger,
+                "verdict",
+                stage=str(verdict.stage),
+                state=verdict.state.value,
+                evidence=[f"{e.kind.value}: {e.detail}" for e in verdict.evidence],
+            )
+        if report.target_exit is not None:
+            log_event(
+                logger,
+                "target_exited",
+                crashed=report.target_exit.crashed,
+                reasons=list(report.target_exit.reasons),
+            )
+        self.stats.count_verdicts(report.verdicts)
+        self.policy.on_report(report, self.snapshot)
+        for incident in self.stats.count_incidents(self.policy.incidents()):
+            if self.traces is not None:
+                self.traces.export(incident)
+        self.last_evaluation = self.clock.monotonic()
 
 
 def _reading_of_snapshot(snapshot: dict[str, Any]) -> GpuReading | None:

@@ -10,16 +10,27 @@ from collections.abc import Sequence
 from typing import Any
 
 from omni_watchdog import __version__
-from omni_watchdog.config import ConfigError, WatchdogConfig, describe_defaults, load_config
+from omni_watchdog.config import (
+    GPU_BACKENDS,
+    ConfigError,
+    WatchdogConfig,
+    describe_defaults,
+    load_config,
+    prepare_state_dir,
+)
 from omni_watchdog.log import configure_logging
 from omni_watchdog.topology import TopologyError
+from omni_watchdog.types import Mode
 
 
 def _set_override(overrides: dict[str, Any], dotted: str, value: Any) -> None:
     *sections, name = dotted.split(".")
     level = overrides
     for section in sections:
-        level = level.setdefault(section, {})
+        # A later flag wins, also over an earlier value given to a whole section.
+        if not isinstance(level.get(section), dict):
+            level[section] = {}
+        level = level[section]
     level[name] = value
 
 
@@ -42,21 +53,46 @@ def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
             _set_override(overrides, dotted, value)
     for assignment in args.set or ():
         dotted, sep, value = assignment.partition("=")
-        if not sep:
+        if not sep or not all(dotted.strip().split(".")):
             raise ConfigError(f"command line: --set {assignment!r}: expected FIELD=VALUE")
         _set_override(overrides, dotted.strip(), value)
     return overrides
 
 
+def _default(value: object) -> str:
+    # argparse expands % in help texts.
+    return f"(default {value})".replace("%", "%%")
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="base URL of the server (default http://127.0.0.1:8000)")
-    parser.add_argument("--pid", type=int, help="the server's pid (default: find it by port)")
+    defaults = WatchdogConfig()
+    parser.add_argument("--target", help=f"base URL of the server {_default(defaults.target)}")
+    parser.add_argument(
+        "--pid",
+        help=f"the server's pid; 0 finds it by the target's port {_default(defaults.pid)}",
+    )
     parser.add_argument("--stage-config", help="vLLM-Omni stage config (0.11 or 0.30 schema)")
-    parser.add_argument("--listen", help="HOST:PORT of the watchdog API (default 127.0.0.1:9464)")
-    parser.add_argument("--otlp-listen", help="HOST:PORT of the OTLP receiver (default :4318)")
-    parser.add_argument("--mode", choices=["observe", "dry-run", "enforce"])
-    parser.add_argument("--gpu-backend", choices=["nvml", "sim", "none"])
-    parser.add_argument("--state-dir", help="journal, bundles (default ~/.local/state/...)")
+    parser.add_argument(
+        "--listen", help=f"HOST:PORT of the watchdog API {_default(defaults.listen)}"
+    )
+    parser.add_argument(
+        "--otlp-listen",
+        help=f"HOST:PORT of the OTLP receiver {_default(defaults.spans.otlp_listen)}",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=[mode.value for mode in Mode],
+        help=f"how far to go {_default(defaults.mode.value)}",
+    )
+    parser.add_argument(
+        "--gpu-backend",
+        choices=GPU_BACKENDS,
+        help=f"where GPU readings come from {_default(defaults.probes.gpu_backend)}",
+    )
+    parser.add_argument(
+        "--state-dir",
+        help=f"incident journal and bundles {_default(defaults.resolved_state_dir())}",
+    )
     parser.add_argument("--config", help="YAML config file")
     parser.add_argument(
         "--set",
@@ -64,7 +100,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FIELD=VALUE",
         help="any config field, e.g. --set detection.heartbeat_timeout=2s (repeatable)",
     )
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=["debug", "info", "warning", "error", "critical"],
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             configure_logging(args.log_level)
             config = load_config(args.config, overrides=overrides_of(args))
+            warning = prepare_state_dir(config)
+            if warning:
+                print(f"omni-watchdog: warning: {warning}", file=sys.stderr)
             return asyncio.run(_run_watchdog(config))
         if args.command == "sim":
             from omni_watchdog.sim.cli import run as run_sim

@@ -1,58 +1,206 @@
 """One typed configuration: defaults, then a YAML file, then `OMNI_WATCHDOG_*`, then flags.
 
-Durations are written like "30s", "500ms" or "2m". Every error names where the bad value
-came from (the file, the variable or the flag) and the dotted field.
+Durations are written like "30s", "500ms" or "2m". Every number has an inclusive range.
+Every error names where the bad value came from (the file, the variable or the flag) and
+the dotted field, on one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import ipaddress
+import json
+import math
 import os
 import re
-import types
+import tempfile
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
 
-from omni_watchdog.types import Mode
+from omni_watchdog.types import Mode, StepName
 
 ENV_PREFIX = "OMNI_WATCHDOG_"
+GPU_BACKENDS = ("nvml", "sim", "none")
+PROBES = ("spans", "metrics", "health", "canary", "processes", "gpu")
+LADDER_STEPS = tuple(step.value for step in StepName)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_MINUTE = 60.0
+_HOUR = 3600.0
+_DAY = 86_400.0
+# Linux's PID_MAX_LIMIT: no pid is larger.
+_PID_MAX = 4_194_304
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_SHOWN_CHARS = 80
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used, with where it came from."""
 
 
+def _shown(value: Any) -> str:
+    """`value` as an error message shows it: quoted, escaped onto one line, cut short."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more digits than Python turns into text
+        return "a number too long to show"
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
 def parse_duration(text: str | float | int) -> float:
     """Seconds from "30s", "500ms", "2m", "1h" or a bare number of seconds."""
-    if isinstance(text, bool):
-        raise ValueError(f"expected a duration like '30s', got {text!r}")
-    if isinstance(text, (int, float)):
-        if text < 0:
-            raise ValueError(f"a duration cannot be negative, got {text!r}")
-        return float(text)
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"expected a duration like '30s' or '500ms', got {text!r}")
-    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise ValueError(f"expected a duration like '30s' or '500ms', got {_shown(text)}")
+    if isinstance(text, str):
+        match = _DURATION.match(text)
+        if not match:
+            raise ValueError(f"expected a duration like '30s' or '500ms', got {_shown(text)}")
+        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    else:
+        try:
+            seconds = float(text)
+        except OverflowError:
+            seconds = math.inf
+    if seconds < 0:
+        raise ValueError(f"a duration cannot be negative, got {_shown(text)}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"expected a finite duration, got {_shown(text)}")
+    return seconds
 
 
-def _duration(default: float, doc: str) -> Any:
-    return field(default=default, metadata={"duration": True, "doc": doc})
+def split_host_port(value: str, where: str) -> tuple[str, int]:
+    """("127.0.0.1", 4318) from "127.0.0.1:4318", ("::1", 4318) from "[::1]:4318"."""
+    try:
+        return _host_port(value)
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
 
 
-def _setting(default: Any, doc: str) -> Any:
+def _host_port(value: str) -> tuple[str, int]:
+    if value.startswith("["):
+        host, bracket, rest = value[1:].partition("]")
+        if not bracket or not rest.startswith(":"):
+            raise ValueError(f"expected [IPV6]:PORT, got {_shown(value)}")
+        port = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(
+                f"expected an IPv6 address in the brackets of {_shown(value)}"
+            ) from None
+    else:
+        host, colon, port = value.rpartition(":")
+        if not colon:
+            raise ValueError(f"expected HOST:PORT, got {_shown(value)}")
+        if ":" in host:
+            raise ValueError(
+                f"an IPv6 address needs brackets, as in [::1]:4318; got {_shown(value)}"
+            )
+        if not host:
+            raise ValueError(
+                f"no host in {_shown(value)}: use 127.0.0.1 for loopback or 0.0.0.0 for every"
+                " address"
+            )
+        if not _HOST_NAME.fullmatch(host):
+            raise ValueError(
+                f"expected a host name or an address before the port, got {_shown(value)}"
+            )
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and int(port) <= 65535):
+        raise ValueError(f"expected a port from 0 to 65535 after the host, got {_shown(value)}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (as `split_host_port` returns it) is reachable only from this host."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_url(value: str) -> None:
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"expected an http(s) URL, got {_shown(value)}")
+    try:
+        parsed = urlsplit(value)
+        # The port is parsed when read: one out of range fails here, not at the first request.
+        host, _ = parsed.hostname, parsed.port
+    except ValueError as error:
+        raise ValueError(f"{error} in {_shown(value)}") from None
+    if not host:
+        raise ValueError(f"no host in {_shown(value)}")
+
+
+def _check_optional_url(value: str) -> None:
+    if value:
+        _check_url(value)
+
+
+def _check_path(value: str) -> None:
+    if not value.startswith("/"):
+        raise ValueError(f"expected a path starting with '/', got {_shown(value)}")
+
+
+def _check_method(value: str) -> None:
+    if not (value.isascii() and value.isalpha()):
+        raise ValueError(f"expected an HTTP method such as POST, got {_shown(value)}")
+
+
+def _check_gpu_backend(value: str) -> None:
+    if value not in GPU_BACKENDS:
+        raise ValueError(
+            f"expected {', '.join(GPU_BACKENDS[:-1])} or {GPU_BACKENDS[-1]}, got {_shown(value)}"
+        )
+
+
+def _check_probes(names: list[str]) -> None:
+    for name in names:
+        if name not in PROBES:
+            raise ValueError(f"unknown probe {_shown(name)}; expected some of {', '.join(PROBES)}")
+
+
+def _check_steps(names: list[str]) -> None:
+    for name in names:
+        if name not in LADDER_STEPS:
+            raise ValueError(
+                f"unknown step {_shown(name)}; expected some of {', '.join(LADDER_STEPS)}"
+            )
+    places = [LADDER_STEPS.index(name) for name in names]
+    if places != sorted(set(places)):
+        raise ValueError(
+            f"must keep the order {', '.join(LADDER_STEPS)} (each at most once, any left out),"
+            f" got {', '.join(names)}"
+        )
+
+
+def _duration(default: float, doc: str, *, minimum: float, maximum: float = _DAY) -> Any:
+    metadata = {"duration": True, "doc": doc, "minimum": minimum, "maximum": maximum}
+    return field(default=default, metadata=metadata)
+
+
+def _setting(
+    default: Any,
+    doc: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    check: Callable[[Any], object] | None = None,
+) -> Any:
+    metadata = {"doc": doc, "minimum": minimum, "maximum": maximum, "check": check}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -60,37 +208,65 @@ class DetectionConfig:
     """Thresholds of the stall rules (DESIGN.md section 4)."""
 
     heartbeat_timeout: float = _duration(
-        3.0, "No loop heartbeat from a stage for this long is evidence (3 missed 1 s beats)."
+        3.0,
+        "No loop heartbeat from a stage for this long is evidence (3 missed 1 s beats).",
+        minimum=0.1,
     )
     progress_timeout: float = _duration(
-        4.0, "Requests running on a stage and its progress counters flat for this long."
+        4.0,
+        "Requests running on a stage and its progress counters flat for this long.",
+        minimum=0.1,
     )
     stale_after: float = _duration(
-        3.0, "Metrics not refreshed for this long are unknown, never 'flat'."
+        3.0, "Metrics not refreshed for this long are unknown, never 'flat'.", minimum=0.1
     )
     health_failures: int = _setting(
-        3, "Consecutive failed /health calls (503, timeout, refused) before it is evidence."
+        3,
+        "Consecutive failed /health calls (503, timeout, refused) before it is evidence.",
+        minimum=1,
+        maximum=100,
     )
     confirm_timeout: float = _duration(
-        10.0, "A single kind of evidence held this long confirms a verdict on its own."
+        10.0,
+        "A single kind of evidence held this long confirms a verdict on its own.",
+        minimum=0.1,
     )
     stuck_timeout: float = _duration(
-        2.0, "A process stopped (T) or in D state this long, or without CPU progress."
+        2.0,
+        "A process stopped (T) or in D state this long, or without CPU progress.",
+        minimum=0.1,
     )
     startup_grace: float = _duration(
-        5.0, "Nothing is judged until the first healthy /health plus this grace."
+        5.0, "Nothing is judged until the first healthy /health plus this grace.", minimum=0.1
+    )
+    startup_timeout: float = _duration(
+        120.0,
+        "A server that has not answered a healthy /health this long after the watchdog"
+        " attached is judged anyway; a recorded stage process that exits ends the wait at"
+        " once. Raise it for models that take longer than this to load.",
+        minimum=1.0,
     )
     overdue_floor: float = _duration(
-        10.0, "The smallest deadline for a stage's span after the request reached it."
+        10.0,
+        "The smallest deadline for a stage's span after the request reached it.",
+        minimum=0.1,
     )
     overdue_multiplier: float = _setting(
-        4.0, "Deadline = max(floor, multiplier x rolling p99 of the stage's durations)."
+        4.0,
+        "Deadline = max(floor, multiplier x rolling p99 of the stage's durations).",
+        minimum=1.0,
+        maximum=100.0,
     )
     gpu_idle_utilization: float = _setting(
-        0.05, "Utilization at or under this counts as idle for gpu_held evidence."
+        0.05,
+        "Utilization at or under this counts as idle for gpu_held evidence.",
+        minimum=0.0,
+        maximum=1.0,
     )
     crash_window: float = _duration(
-        30.0, "Unhealthy signs this long before the server exits make the exit a crash."
+        30.0,
+        "Unhealthy signs this long before the server exits make the exit a crash.",
+        minimum=0.1,
     )
 
 
@@ -98,41 +274,79 @@ class DetectionConfig:
 class ProbesConfig:
     """How often and how patiently each probe looks."""
 
-    interval: float = _duration(0.5, "Period of the process and GPU probes.")
-    health_interval: float = _duration(1.0, "Period of the /health probe.")
-    health_timeout: float = _duration(1.0, "A /health call slower than this is a timeout.")
-    health_path: str = _setting("/health", "Path of the server's health endpoint.")
-    metrics_interval: float = _duration(1.0, "Period of the /metrics scrape.")
-    metrics_timeout: float = _duration(2.0, "A /metrics scrape slower than this fails.")
-    metrics_path: str = _setting("/metrics", "Path of the server's metrics endpoint.")
-    canary_interval: float = _duration(
-        3.0, "Send a canary after this long without organic progress."
+    # A period under 50 ms turns a probe into a busy loop.
+    interval: float = _duration(
+        0.5, "Period of the process and GPU probes.", minimum=0.05, maximum=_HOUR
     )
-    canary_deadline: float = _duration(5.0, "A canary that takes longer than this failed.")
-    canary_path: str = _setting("/v1/chat/completions", "Path the canary request is sent to.")
+    health_interval: float = _duration(
+        1.0, "Period of the /health probe.", minimum=0.05, maximum=_HOUR
+    )
+    health_timeout: float = _duration(
+        1.0, "A /health call slower than this is a timeout.", minimum=0.1, maximum=_HOUR
+    )
+    health_path: str = _setting(
+        "/health", "Path of the server's health endpoint.", check=_check_path
+    )
+    metrics_interval: float = _duration(
+        1.0, "Period of the /metrics scrape.", minimum=0.05, maximum=_HOUR
+    )
+    metrics_timeout: float = _duration(
+        2.0, "A /metrics scrape slower than this fails.", minimum=0.1, maximum=_HOUR
+    )
+    metrics_path: str = _setting(
+        "/metrics", "Path of the server's metrics endpoint.", check=_check_path
+    )
+    # A canary is a real request to the model: more than one a second is load, not a probe.
+    canary_interval: float = _duration(
+        3.0, "Send a canary after this long without organic progress.", minimum=1.0
+    )
+    canary_deadline: float = _duration(
+        5.0, "A canary that takes longer than this failed.", minimum=0.1, maximum=_HOUR
+    )
+    canary_path: str = _setting(
+        "/v1/chat/completions", "Path the canary request is sent to.", check=_check_path
+    )
     canary_body: dict[str, Any] = _setting(
         {}, "JSON body of the canary; empty means one text token to the served model."
     )
-    gpu_backend: str = _setting("nvml", "nvml (real pynvml), sim (the simulator's), or none.")
-    enabled: list[str] = _setting(
-        ["spans", "metrics", "health", "canary", "processes", "gpu"], "Probes to run."
+    gpu_backend: str = _setting(
+        "nvml", "nvml (real pynvml), sim (the simulator's), or none.", check=_check_gpu_backend
     )
+    enabled: list[str] = _setting(list(PROBES), "Probes to run.", check=_check_probes)
 
 
 @dataclass(frozen=True)
 class SpansConfig:
     """The OTLP/HTTP receiver."""
 
-    otlp_listen: str = _setting("127.0.0.1:4318", "HOST:PORT of the OTLP/HTTP receiver.")
+    otlp_listen: str = _setting(
+        "127.0.0.1:4318", "HOST:PORT of the OTLP/HTTP receiver.", check=_host_port
+    )
     max_body_bytes: int = _setting(
-        16 * 1024 * 1024, "Largest request body, compressed or not (413 above)."
+        16 * 1024 * 1024,
+        "Largest request body, compressed or not (413 above).",
+        minimum=1024,
+        maximum=256 * 1024 * 1024,
+    )
+    body_timeout: float = _duration(
+        30.0,
+        "An export's body must arrive within this long (408 after).",
+        minimum=0.1,
+        maximum=10 * _MINUTE,
     )
     queue_size: int = _setting(
-        10_000, "Decoded batches waiting for the detector; 503 with Retry-After when full."
+        10_000,
+        "Decoded batches waiting for the detector; 503 with Retry-After when full.",
+        minimum=1,
+        maximum=1_000_000,
     )
-    ring_size: int = _setting(256, "Spans kept per stage for the detector and bundles.")
+    ring_size: int = _setting(
+        256, "Spans kept per stage for the detector and bundles.", minimum=1, maximum=4096
+    )
     forward_endpoint: str = _setting(
-        "", "Upstream OTLP/HTTP traces URL that receives a copy of everything; empty: none."
+        "",
+        "Upstream OTLP/HTTP traces URL that receives a copy of everything; empty: none.",
+        check=_check_optional_url,
     )
 
 
@@ -141,45 +355,99 @@ class LadderConfig:
     """The remediation ladder (DESIGN.md section 5)."""
 
     steps: list[str] = _setting(
-        ["capture", "shutdown", "terminate", "kill", "verify"], "Steps, in order."
+        list(LADDER_STEPS),
+        "Steps, in this order; any may be left out.",
+        check=_check_steps,
     )
-    capture_timeout: float = _duration(5.0, "Bound on capturing stacks and snapshots.")
+    capture_timeout: float = _duration(
+        5.0, "Bound on capturing stacks and snapshots.", minimum=0.1, maximum=_HOUR
+    )
     self_exit_grace: float = _duration(
         5.0,
         "When the server itself answers 503, wait this long for it to exit on its own"
         " (vLLM exits about 3 s after its engine dies) before asking it to.",
+        minimum=0.1,
+        maximum=_HOUR,
     )
     admin_url: str = _setting(
-        "", "Shutdown endpoint; empty means the target URL + /admin/shutdown."
+        "",
+        "Shutdown endpoint; empty means the target URL + /admin/shutdown.",
+        check=_check_optional_url,
     )
-    admin_method: str = _setting("POST", "HTTP method of the shutdown endpoint.")
-    admin_timeout: float = _duration(1.0, "The shutdown request itself must answer this fast.")
+    admin_method: str = _setting(
+        "POST", "HTTP method of the shutdown endpoint.", check=_check_method
+    )
+    admin_timeout: float = _duration(
+        1.0, "The shutdown request itself must answer this fast.", minimum=0.1, maximum=_HOUR
+    )
     shutdown_grace: float = _duration(
-        5.0, "After an accepted shutdown request, wait this long for the tree to exit."
+        5.0,
+        "After an accepted shutdown request, wait this long for the tree to exit.",
+        minimum=0.1,
+        maximum=_HOUR,
     )
-    term_grace: float = _duration(3.0, "After SIGTERM, wait this long before SIGKILL.")
-    kill_grace: float = _duration(2.0, "After SIGKILL, wait this long for exits.")
+    term_grace: float = _duration(
+        3.0, "After SIGTERM, wait this long before SIGKILL.", minimum=0.1, maximum=_HOUR
+    )
+    kill_grace: float = _duration(
+        2.0, "After SIGKILL, wait this long for exits.", minimum=0.1, maximum=_HOUR
+    )
     release_timeout: float = _duration(
-        10.0, "GPU memory must be back to baseline this long after the kill."
+        10.0,
+        "GPU memory must be back to baseline this long after the kill.",
+        minimum=0.1,
+        maximum=_HOUR,
     )
-    budget_per_hour: int = _setting(3, "Enforced incidents allowed per rolling hour.")
+    budget_per_hour: int = _setting(
+        3, "Enforced incidents allowed per rolling hour.", minimum=0, maximum=1000
+    )
 
 
 @dataclass(frozen=True)
 class WatchdogConfig:
     """Everything `omni-watchdog run` needs."""
 
-    target: str = _setting("http://127.0.0.1:8000", "Base URL of the served model.")
-    pid: int = _setting(0, "The server's pid; 0 finds the process listening on the port.")
+    target: str = _setting(
+        "http://127.0.0.1:8000", "Base URL of the served model.", check=_check_url
+    )
+    pid: int = _setting(
+        0,
+        "The server's pid; 0 finds the process listening on the port.",
+        minimum=0,
+        maximum=_PID_MAX,
+    )
     stage_config: str = _setting("", "vLLM-Omni stage config file (0.11 or 0.30 schema).")
-    listen: str = _setting("127.0.0.1:9464", "HOST:PORT of the watchdog's own HTTP API.")
+    listen: str = _setting(
+        "127.0.0.1:9464", "HOST:PORT of the watchdog's own HTTP API.", check=_host_port
+    )
     mode: Mode = _setting(Mode.DRY_RUN, "observe, dry-run or enforce.")
     state_dir: str = _setting(
         "", "Incident journal, bundles and lock; empty means ~/.local/state/omni-watchdog."
     )
     admin_token: str = _setting("", "Bearer token for the shutdown endpoint.")
+    otlp_token: str = _setting(
+        "",
+        "Bearer token the OTLP receiver requires of every export (OMNI_WATCHDOG_OTLP_TOKEN);"
+        " required when spans.otlp_listen is not a loopback address.",
+    )
     otlp_export_endpoint: str = _setting(
-        "", "OTLP/HTTP traces URL for the watchdog's own incident spans; empty: none."
+        "",
+        "OTLP/HTTP traces URL for the watchdog's own incident spans; empty: none.",
+        check=_check_optional_url,
+    )
+    header_timeout: float = _duration(
+        10.0,
+        "A client of either listener must send a whole request head this long after"
+        " connecting or after its previous response; idle kept-alive connections are"
+        " closed then too.",
+        minimum=0.1,
+        maximum=10 * _MINUTE,
+    )
+    max_connections: int = _setting(
+        256,
+        "Open connections each listener accepts; more are closed at once and counted.",
+        minimum=1,
+        maximum=65535,
     )
     detection: DetectionConfig = field(default_factory=DetectionConfig)
     probes: ProbesConfig = field(default_factory=ProbesConfig)
@@ -202,71 +470,160 @@ def _field_type(owner: type[Any], name: str) -> Any:
     return typing.get_type_hints(owner)[name]
 
 
-def _convert(value: Any, kind: Any, is_duration: bool, where: str) -> Any:
-    try:
-        if is_duration:
-            return parse_duration(value)
-        if isinstance(kind, type) and issubclass(kind, enum.Enum):
-            return kind(value)
-        if kind is bool:
-            if isinstance(value, str):
-                if value.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if value.lower() in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError(f"expected true or false, got {value!r}")
-            if not isinstance(value, bool):
-                raise ValueError(f"expected true or false, got {value!r}")
-            return value
-        if kind is int:
-            if isinstance(value, (bool, float)):
-                raise ValueError(f"expected an integer, got {value!r}")
+def _integer(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
             return int(value)
-        if kind is float:
-            if isinstance(value, bool):
-                raise ValueError(f"expected a number, got {value!r}")
-            return float(value)
-        if kind is str:
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise ValueError(f"expected a string, got {value!r}")
-            return str(value)
-        origin = typing.get_origin(kind)
-        if origin is list:
-            if isinstance(value, str):
-                value = [item.strip() for item in value.split(",") if item.strip()]
-            if not isinstance(value, list):
-                raise ValueError(f"expected a list, got {value!r}")
-            (item_kind,) = typing.get_args(kind)
-            return [_convert(item, item_kind, False, where) for item in value]
-        if origin is dict:
-            if isinstance(value, str):
-                value = yaml.safe_load(value)
-            if not isinstance(value, dict):
-                raise ValueError(f"expected a mapping, got {value!r}")
-            return dict(value)
-        if origin in (typing.Union, types.UnionType):
-            raise TypeError(f"unsupported config type {kind!r}")
+        except ValueError:
+            pass
+    raise ValueError(f"expected an integer, got {_shown(value)}")
+
+
+def _number(value: Any) -> float:
+    number = math.nan
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError, OverflowError):
+            number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {_shown(value)}")
+    return number
+
+
+def _string(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    text = str(value)
+    for place, character in enumerate(text):
+        if not character.isprintable():
+            # Shows only the character: the value may be a token.
+            raise ValueError(f"unprintable character {character!r} at position {place}")
+    return text
+
+
+def _yaml(text: str) -> Any:
+    """The document in `text`; ValueError, on one line, for anything PyYAML cannot load."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = error.problem or error.context or "malformed"
+        raise ValueError(f"not valid YAML: {problem}{where}") from None
+    except Exception as error:
+        # PyYAML's constructors raise ValueError, AttributeError or RecursionError on some
+        # malformed scalars and nesting: every one of them is a document it cannot load.
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ValueError(f"not valid YAML: {reason}") from None
+
+
+def _json_object(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        value = _yaml(value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a mapping, got {_shown(value)}")
+    try:
+        # The body is sent as JSON: dates, binary and NaN are refused here, not per request.
+        loaded: dict[str, Any] = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as error:
+        raise ValueError(f"not a JSON object: {error}") from None
+    return loaded
+
+
+def _value(value: Any, kind: Any, is_duration: bool) -> Any:
+    """`value` as a `kind`; a ValueError says what is wrong with it."""
+    if is_duration:
+        return parse_duration(value)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        choices = [member.value for member in kind]
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(map(str, choices))}, got {_shown(value)}")
+        return kind(value)
+    if kind is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {_shown(value)}")
+        return value
+    if kind is int:
+        return _integer(value)
+    if kind is float:
+        return _number(value)
+    if kind is str:
+        return _string(value)
+    origin = typing.get_origin(kind)
+    if origin is list:
+        if isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {_shown(value)}")
+        (item_kind,) = typing.get_args(kind)
+        items = []
+        for place, item in enumerate(value, 1):
+            try:
+                items.append(_value(item, item_kind, False))
+            except ValueError as error:
+                raise ValueError(f"item {place}: {error}") from None
+        return items
+    if origin is dict:
+        return _json_object(value)
+    raise TypeError(f"unsupported config type {kind!r}")
+
+
+def _amount(value: int | float, is_duration: bool) -> str:
+    if isinstance(value, float):
+        return f"{value:g}s" if is_duration else f"{value:g}"
+    return _shown(value)
+
+
+def _convert(value: Any, kind: Any, metadata: Mapping[str, Any], where: str) -> Any:
+    is_duration = bool(metadata.get("duration"))
+    try:
+        converted = _value(value, kind, is_duration)
+        minimum, maximum = metadata.get("minimum"), metadata.get("maximum")
+        if minimum is not None and converted < minimum:
+            raise ValueError(
+                f"must be at least {_amount(minimum, is_duration)},"
+                f" got {_amount(converted, is_duration)}"
+            )
+        if maximum is not None and converted > maximum:
+            raise ValueError(
+                f"must be at most {_amount(maximum, is_duration)},"
+                f" got {_amount(converted, is_duration)}"
+            )
+        check = metadata.get("check")
+        if check is not None:
+            check(converted)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{where}: {error}") from None
-    raise ConfigError(f"{where}: unsupported config type {kind!r}")
+    return converted
 
 
-def _build(cls: type[Section], values: Mapping[str, Any], origin: str, prefix: str) -> Section:
+def _name(key: Any) -> str:
+    """A field name as given, for an error message on one line."""
+    return key if isinstance(key, str) and key.isidentifier() else _shown(key)
+
+
+def _build(cls: type[Section], values: Any, origin: str, prefix: str) -> Section:
     if not isinstance(values, Mapping):
-        raise ConfigError(f"{origin}: {prefix or 'top level'}: expected a mapping")
+        section = prefix.rstrip(".") or "top level"
+        raise ConfigError(f"{origin}: {section}: expected a mapping, got {_shown(values)}")
     known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"{origin}: {prefix}{unknown[0]}: unknown field")
+    for name in values:
+        if name not in known:
+            raise ConfigError(f"{origin}: {prefix}{_name(name)}: unknown field")
     converted: dict[str, Any] = {}
     for name, value in values.items():
-        spec = known[name]
         kind = _field_type(cls, name)
-        where = f"{origin}: {prefix}{name}"
         if dataclasses.is_dataclass(kind):
             converted[name] = _build(kind, value, origin, f"{prefix}{name}.")  # type: ignore[arg-type]
         else:
-            converted[name] = _convert(value, kind, bool(spec.metadata.get("duration")), where)
+            where = f"{origin}: {prefix}{name}"
+            converted[name] = _convert(value, kind, known[name].metadata, where)
     return cls(**converted)
 
 
@@ -307,6 +664,28 @@ def _env_layer(environ: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
     return layers
 
 
+def _file_layer(file_path: Path) -> Mapping[str, Any]:
+    try:
+        data = file_path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{file_path}: cannot read: {error.strerror or error}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{file_path}: not UTF-8 text: byte 0x{data[error.start]:02x} at offset {error.start}"
+        ) from None
+    try:
+        loaded = _yaml(text)
+    except ValueError as error:
+        raise ConfigError(f"{file_path}: {error}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, Mapping):
+        raise ConfigError(f"{file_path}: top level: expected a mapping, got {_shown(loaded)}")
+    return loaded
+
+
 def load_config(
     path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
@@ -315,20 +694,10 @@ def load_config(
     """Defaults, then the YAML file at `path`, then the environment, then `overrides`."""
     layers: list[tuple[str, Mapping[str, Any]]] = []
     if path:
-        file_path = Path(path)
-        try:
-            loaded = yaml.safe_load(file_path.read_text()) or {}
-        except OSError as error:
-            raise ConfigError(f"{file_path}: cannot read: {error.strerror}") from None
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{file_path}: not valid YAML: {error}") from None
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"{file_path}: top level: expected a mapping")
-        layers.append((str(file_path), loaded))
+        layers.append((str(path), _file_layer(Path(path))))
     layers.extend(_env_layer(os.environ if environ is None else environ))
     if overrides:
         layers.append(("command line", overrides))
-    config = WatchdogConfig()
     merged: dict[str, Any] = {}
     for origin, layer in layers:
         # Validate each layer alone so an error names the layer it came from.
@@ -340,20 +709,7 @@ def load_config(
 
 
 def _validate(config: WatchdogConfig) -> None:
-    from omni_watchdog.types import StepName
-
-    for name in config.ladder.steps:
-        if name not in {step.value for step in StepName}:
-            raise ConfigError(f"configuration: ladder.steps: unknown step {name!r}")
-    known_probes = {"spans", "metrics", "health", "canary", "processes", "gpu"}
-    for name in config.probes.enabled:
-        if name not in known_probes:
-            raise ConfigError(f"configuration: probes.enabled: unknown probe {name!r}")
-    if config.probes.gpu_backend not in ("nvml", "sim", "none"):
-        raise ConfigError(
-            "configuration: probes.gpu_backend: expected nvml, sim or none, "
-            f"got {config.probes.gpu_backend!r}"
-        )
+    """The checks that involve more than one field, on the merged configuration."""
     sees_exit = set(config.probes.enabled) & {"processes", "health"}
     if config.mode is Mode.ENFORCE and "verify" in config.ladder.steps and not sees_exit:
         # With neither, nothing can tell whether the server went: verify would always fail.
@@ -361,25 +717,47 @@ def _validate(config: WatchdogConfig) -> None:
             "configuration: probes.enabled: the verify step needs 'processes' or, without "
             "the server's PID namespace, 'health'"
         )
-    if config.detection.health_failures < 1:
-        raise ConfigError("configuration: detection.health_failures: must be at least 1")
     if config.detection.confirm_timeout < config.detection.heartbeat_timeout:
         raise ConfigError(
             "configuration: detection.confirm_timeout: must not be shorter than "
             "detection.heartbeat_timeout"
         )
-    if not config.target.startswith(("http://", "https://")):
-        raise ConfigError(f"configuration: target: expected an http(s) URL, got {config.target!r}")
-    for name, value in (("listen", config.listen), ("spans.otlp_listen", config.spans.otlp_listen)):
-        split_host_port(value, f"configuration: {name}")
+    host, _ = split_host_port(config.spans.otlp_listen, "configuration: spans.otlp_listen")
+    if not is_loopback(host) and not config.otlp_token:
+        # Anyone who reaches the receiver could feed the detector spans that end in a kill.
+        raise ConfigError(
+            "configuration: otlp_token: required when spans.otlp_listen"
+            f" ({config.spans.otlp_listen}) is not a loopback address;"
+            f" set {ENV_PREFIX}OTLP_TOKEN"
+        )
 
 
-def split_host_port(value: str, where: str) -> tuple[str, int]:
-    """("127.0.0.1", 4318) from "127.0.0.1:4318", with an error naming `where`."""
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{where}: expected HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
+def prepare_state_dir(config: WatchdogConfig) -> str:
+    """Create the state directory (mode 0700); "" when it is writable, else a warning.
+
+    Outside enforce mode a directory that exists but cannot be written is only warned of.
+    """
+    path = config.resolved_state_dir()
+    try:
+        missing = [directory for directory in (path, *path.parents) if not directory.exists()]
+        for directory in reversed(missing):
+            directory.mkdir(mode=0o700, exist_ok=True)
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise ConfigError(f"state_dir: {path} cannot be created ({reason})") from None
+    if not path.is_dir():
+        raise ConfigError(f"state_dir: {path} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
+            pass
+    except OSError as error:
+        problem = f"state_dir: {path} is not writable ({error.strerror or error})"
+        if config.mode is Mode.ENFORCE:
+            raise ConfigError(
+                f"{problem}; enforce mode needs it for the incident journal and the target lock"
+            ) from None
+        return f"{problem}; incidents cannot be journaled there"
+    return ""
 
 
 def describe_defaults() -> list[tuple[str, str, str]]:

@@ -28,8 +28,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
-def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
-    logger.log(level, event, extra={"fields": fields})
+def log_event(
+    logger: logging.Logger,
+    event: str,
+    level: int = logging.INFO,
+    *,
+    exc_info: BaseException | None = None,
+    **fields: Any,
+) -> None:
+    """One event with its fields; `exc_info` adds that exception's traceback as "error"."""
+    logger.log(level, event, exc_info=exc_info, extra={"fields": fields})
 
 
 def configure_logging(level: str = "info", stream: Any = None) -> None:

@@ -23,15 +23,27 @@ PROC = Path("/proc")
 _STARTTIME_FIELD = 19
 
 
-def seconds_after_boot(pid: int, proc: Path = PROC) -> float:
-    """When `pid` started, in seconds after boot; psutil.NoSuchProcess once it is gone."""
+# Resource attributes with which the instrument plugin names the process that sends a
+# span, so that the watchdog can tell the target's processes from anyone else's.
+START_TICKS_KEY = "omni.process.start_ticks"
+BOOT_ID_KEY = "omni.host.boot_id"
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+
+
+def start_ticks(pid: int, proc: Path = PROC) -> int:
+    """When `pid` started, in clock ticks after boot; psutil.NoSuchProcess once it is gone."""
     try:
         stat = (proc / str(pid) / "stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         raise psutil.NoSuchProcess(pid) from None
     # The command name, in parentheses, may itself hold spaces and parentheses.
     fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[_STARTTIME_FIELD]) / CLOCK_TICKS
+    return int(fields[_STARTTIME_FIELD])
+
+
+def seconds_after_boot(pid: int, proc: Path = PROC) -> float:
+    """When `pid` started, in seconds after boot; psutil.NoSuchProcess once it is gone."""
+    return start_ticks(pid, proc) / CLOCK_TICKS
 
 
 @functools.cache
@@ -40,7 +52,29 @@ def first_boot_time() -> float:
     return float(psutil.boot_time())
 
 
+def start_time_of_ticks(ticks: int) -> float:
+    """The start time, as `start_time` gives it, of a process that started `ticks` after boot."""
+    return first_boot_time() + ticks / CLOCK_TICKS
+
+
 def start_time(pid: int) -> float:
     """When `pid` started, in seconds since the epoch, the same value for this process's
     life; psutil.NoSuchProcess once it is gone."""
-    return first_boot_time() + seconds_after_boot(pid)
+    return start_time_of_ticks(start_ticks(pid))
+
+
+@functools.cache
+def boot_id() -> str:
+    """The kernel's random id of this boot; two hosts (or two boots) never share one."""
+    try:
+        return BOOT_ID_PATH.read_text().strip()
+    except OSError:
+        return ""
+
+
+def sender_attributes(pid: int) -> dict[str, int | str]:
+    """The resource attributes that name `pid` for life on this host; empty if unreadable."""
+    try:
+        return {START_TICKS_KEY: start_ticks(pid), BOOT_ID_KEY: boot_id()}
+    except (psutil.Error, OSError, ValueError, IndexError):
+        return {}

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from omni_watchdog.types import Stage, Topology
+from omni_watchdog.types import Stage, StageRef, Topology
 
 
 class TopologyError(ValueError):
@@ -30,6 +30,28 @@ KNOWN_PIPELINES: Mapping[str, tuple[tuple[str, tuple[int, ...], bool], ...]] = {
 }
 
 DEFAULT_STAGE_NAME = "engine"
+# Every stage replica makes its own series; these bound them whatever a config says.
+MAX_STAGES = 64
+MAX_REPLICAS = 64
+MAX_STAGE_REPLICAS = 256
+MAX_STAGE_NAME = 64
+
+
+class TopologySenders:
+    """Whom spans may speak for when no process table is in view (without the server's PID
+    namespace): any sender, since none can be checked, but only the topology's stages."""
+
+    def __init__(self, topology: Topology) -> None:
+        self._refs = frozenset(topology.refs())
+
+    def owns(self, pid: int | None, start_ticks: int | None) -> bool:
+        return True
+
+    def knows(self, stage: StageRef) -> bool:
+        return stage in self._refs
+
+    def maps(self, stage: StageRef) -> bool:
+        return stage in self._refs
 
 
 def default_topology() -> Topology:
@@ -238,6 +260,12 @@ class _Reader:
     ) -> Topology:
         if not drafts:
             raise self.fail("stages", "no stage defined")
+        if len(drafts) > MAX_STAGES:
+            raise self.fail("stages", f"{len(drafts)} stages; at most {MAX_STAGES} are watched")
+        if sum(draft.replicas for draft in drafts) > MAX_STAGE_REPLICAS:
+            raise self.fail(
+                "stages", f"more than {MAX_STAGE_REPLICAS} stage replicas in all are not watched"
+            )
         seen: dict[int, str] = {}
         for draft in drafts:
             if draft.stage_id in seen:
@@ -245,8 +273,8 @@ class _Reader:
                     f"{draft.where}.stage_id",
                     f"duplicate stage id {draft.stage_id} (also {seen[draft.stage_id]})",
                 )
-            if draft.replicas < 1:
-                raise self.fail(f"{draft.where}.num_replicas", "must be at least 1")
+            if not 1 <= draft.replicas <= MAX_REPLICAS:
+                raise self.fail(f"{draft.where}.num_replicas", f"must be from 1 to {MAX_REPLICAS}")
             seen[draft.stage_id] = draft.where
         links: set[tuple[int, int]] = set()
         for draft in drafts:
@@ -271,7 +299,7 @@ class _Reader:
         stages = tuple(
             Stage(
                 stage_id=draft.stage_id,
-                name=draft.name or f"stage{draft.stage_id}",
+                name=(draft.name or f"stage{draft.stage_id}")[:MAX_STAGE_NAME],
                 replicas=draft.replicas,
                 devices=draft.devices,
                 gpu_memory_utilization=draft.memory,

@@ -325,5 +325,27 @@ class Probe(Protocol):
     async def collect(self) -> Sequence[Observation]: ...
 
 
+class SpanSenders(Protocol):
+    """Whom a span may speak for: the target's recorded processes and its stages.
+
+    A span is evidence only when its sender is a process of the target's current tree
+    (named by pid and start, so a forger or a reused pid is not), and only for a stage the
+    topology or the tree itself names: spans never create stages.
+    """
+
+    def owns(self, pid: int | None, start_ticks: int | None) -> bool:
+        """The sender is a live recorded process of the current target (True when no
+        process table is in view, so that nothing could be checked)."""
+        ...
+
+    def knows(self, stage: StageRef) -> bool:
+        """The stage replica is one of the topology's or one the tree's processes serve."""
+        ...
+
+    def maps(self, stage: StageRef) -> bool:
+        """A live recorded process serves the stage replica (or no process table is in view)."""
+        ...
+
+
 class ProbeError(RuntimeError):
     """A probe could not look this time; the reason is reported and the others go on."""

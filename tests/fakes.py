@@ -103,3 +103,28 @@ def info(
         role,
         None if stage is None else StageRef(stage),
     )
+
+
+class FakeSenders:
+    """Whom spans may speak for, as a test declares it; by default anyone, for any stage."""
+
+    def __init__(
+        self,
+        owned: set[tuple[int, int]] | None = None,
+        stages: set[StageRef] | None = None,
+        mapped: set[StageRef] | None = None,
+    ) -> None:
+        self.owned = owned
+        self.stages = stages
+        self.mapped = mapped
+
+    def owns(self, pid: int | None, start_ticks: int | None) -> bool:
+        if self.owned is None:
+            return True
+        return pid is not None and start_ticks is not None and (pid, start_ticks) in self.owned
+
+    def knows(self, stage: StageRef) -> bool:
+        return self.stages is None or stage in self.stages
+
+    def maps(self, stage: StageRef) -> bool:
+        return self.mapped is None or stage in self.mapped

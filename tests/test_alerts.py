@@ -32,10 +32,16 @@ ALERTS = (
     "OmniGpuMemoryStuck",
     "OmniGpuMemoryNotReleased",
     "OmniRemediationFailed",
+    "OmniWatchdogUnkillableProcess",
     "OmniRemediationBudgetExhausted",
     "OmniTargetDown",
     "OmniNoStageSpans",
     "OmniWatchdogDown",
+    "OmniWatchdogNotEvaluating",
+    "OmniWatchdogInternalErrors",
+    "OmniWatchdogStateWriteErrors",
+    "OmniWatchdogLockConflict",
+    "OmniWatchdogSpansRejected",
 )
 
 # The exporter's families and their types: the contract between the exporter, the alerts
@@ -71,6 +77,11 @@ EXPORTER_FAMILIES = {
     "omni_watchdog_verdict_to_release_seconds": "histogram",
     "omni_watchdog_remediation_budget_remaining": "gauge",
     "omni_watchdog_remediation_budget_exhausted_total": "counter",
+    "omni_watchdog_internal_errors_total": "counter",
+    "omni_watchdog_evaluation_age_seconds": "gauge",
+    "omni_watchdog_state_write_errors_total": "counter",
+    "omni_watchdog_target_lock_conflict": "gauge",
+    "omni_watchdog_connections_closed_total": "counter",
 }
 # Series Prometheus itself writes for every scrape target.
 PROMETHEUS_SERIES = {"up"}

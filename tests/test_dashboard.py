@@ -164,6 +164,15 @@ def test_panel_ids_are_unique_and_panels_do_not_overlap() -> None:
         ("timeseries", "omni_watchdog_stage_duration_seconds_bucket"),
         ("timeseries", "omni_watchdog_stage_heartbeat_age_seconds"),
         ("timeseries", "omni_watchdog_stage_gpu_memory_bytes"),
+        ("stat", "omni_watchdog_evaluation_age_seconds"),
+        ("stat", "omni_watchdog_target_lock_conflict"),
+        ("stat", "omni_watchdog_internal_errors_total"),
+        ("stat", "omni_watchdog_state_write_errors_total"),
+        ("timeseries", "omni_watchdog_evaluation_age_seconds"),
+        ("timeseries", "omni_watchdog_internal_errors_total"),
+        ("timeseries", "omni_watchdog_state_write_errors_total"),
+        ("timeseries", "omni_watchdog_spans_rejected_total"),
+        ("timeseries", "omni_watchdog_connections_closed_total"),
     ],
 )
 def test_the_dashboard_shows(kind: str, metric: str) -> None:
@@ -189,3 +198,19 @@ def test_incidents_and_ladder_steps_are_annotations_from_counter_changes() -> No
     exprs = [a["expr"] for a in dashboard()["annotations"]["list"]]
     for counter in ("omni_watchdog_incidents_total", "omni_watchdog_ladder_steps_total"):
         assert any(f"changes({counter}" in e for e in exprs), counter
+
+
+def test_the_watchdogs_own_health_is_in_its_row() -> None:
+    board = dashboard()["panels"]
+    start = next(i for i, p in enumerate(board) if p["type"] == "row" and p["title"] == "Watchdog")
+    end = next((i for i, p in enumerate(board) if i > start and p["type"] == "row"), len(board))
+    shown = " ".join(q["expr"] for p in board[start + 1 : end] for q in p["targets"])
+    for family in (
+        "omni_watchdog_evaluation_age_seconds",
+        "omni_watchdog_internal_errors_total",
+        "omni_watchdog_state_write_errors_total",
+        "omni_watchdog_target_lock_conflict",
+        "omni_watchdog_spans_rejected_total",
+        "omni_watchdog_connections_closed_total",
+    ):
+        assert family in shown, family

@@ -24,7 +24,13 @@ import pytest
 import yaml
 from test_alerts import run_promtool
 
-from omni_watchdog.config import ENV_PREFIX, describe_defaults, load_config, split_host_port
+from omni_watchdog.config import (
+    ENV_PREFIX,
+    describe_defaults,
+    is_loopback,
+    load_config,
+    split_host_port,
+)
 from omni_watchdog.instrument import admin, telemetry
 from omni_watchdog.policy.capture import PTRACE_PY_SPY
 
@@ -480,7 +486,10 @@ def test_dockerfile_environment_is_a_valid_config() -> None:
     check_watchdog_environment(env)
     exposed = {int(port) for word, rest in runtime if word == "EXPOSE" for port in rest.split()}
     assert api_port(env) in exposed
-    assert otlp_port(env) in exposed
+    # The receiver takes no token on loopback, where only the server's namespace reaches it.
+    otlp = load_config(environ=env).spans.otlp_listen
+    assert is_loopback(split_host_port(otlp, "spans.otlp_listen")[0])
+    assert otlp_port(env) not in exposed
 
 
 def test_dockerfile_copies_only_what_exists_in_the_build_context() -> None:

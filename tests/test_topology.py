@@ -118,7 +118,7 @@ def test_default_topology_is_one_engine_stage() -> None:
         ),
         (
             "stages: [{stage_id: 0, num_replicas: 0}]\n",
-            "talker.yaml: stages[0].num_replicas: must be at least 1",
+            "talker.yaml: stages[0].num_replicas: must be from 1 to 64",
         ),
         (
             "stages: [{stage_id: 0, gpu_memory_utilization: 1.5}]\n",
@@ -132,6 +132,18 @@ def test_default_topology_is_one_engine_stage() -> None:
         ("stage_args: {stage_id: 0}\n", "talker.yaml: stage_args: expected a list"),
         ("stage_args: [7]\n", "talker.yaml: stage_args[0]: expected a mapping, got 7"),
         ("stage_args: []\n", "talker.yaml: stages: no stage defined"),
+        (
+            "stages: [{stage_id: 0, num_replicas: 65}]\n",
+            "talker.yaml: stages[0].num_replicas: must be from 1 to 64",
+        ),
+        (
+            "stages:\n" + "".join(f"  - stage_id: {n}\n" for n in range(65)),
+            "talker.yaml: stages: 65 stages; at most 64 are watched",
+        ),
+        (
+            "stages:\n" + "".join(f"  - {{stage_id: {n}, num_replicas: 50}}\n" for n in range(6)),
+            "talker.yaml: stages: more than 256 stage replicas in all are not watched",
+        ),
         ("model: x\n", "talker.yaml: top level: expected 'stage_args' (0.11) or 'stages'"),
         ("stage_args: [\n", "talker.yaml: not valid YAML"),
     ],

@@ -1,9 +1,13 @@
 """The detector: observations and a clock in, per-stage states and verdicts out, no I/O.
 
 The rules (DESIGN.md section 4):
-- nothing is judged before the first healthy /health plus `startup_grace`;
+- nothing is judged before the first healthy /health plus `startup_grace`, or before
+  `startup_timeout` after attach for a server that never answers healthy, unless a
+  recorded stage process exits first;
 - `stalled` needs no progress, not slowness: a stage whose counters or spans moved within
   `progress_timeout` is `degraded` at worst, however late its requests are;
+- spans never outweigh the world: a stage with a stopped (T) process, or with counters
+  flat while work is queued, is judged on that whatever its heartbeats and spans say;
 - a verdict needs two independent kinds of evidence, or one held for `confirm_timeout`;
 - `dead` needs a stage process to have exited while the server lives;
 - target-wide evidence (/health, the canary) is charged to the stages that show no
@@ -41,6 +45,10 @@ _CONSEQUENCES = (EvidenceKind.GPU_HELD,)
 # A clean stop takes its engine down a moment before the server itself (vLLM: all gone in
 # under 0.5 s), so only signs older than this before the exit can make it a crash.
 _EXIT_SETTLE = 1.0
+# Stage replicas tracked beyond the topology (named by process titles), and processes per
+# stage replica: a tree that names thousands must not make thousands of series.
+MAX_EXTRA_STAGES = 64
+MAX_PROCESSES_PER_STAGE = 512
 
 
 @dataclass
@@ -97,12 +105,15 @@ class Detector:
         self._config = config
         self._topology = topology
         self._names = {ref: self._stage_name(ref) for ref in topology.refs()}
+        self._names_of_topology = frozenset(self._names)
         self._stages: dict[StageRef, _StageMemory] = {
             ref: _StageMemory(since=start) for ref in topology.refs()
         }
         self._pending = PendingRequests()
         self._pid_stage: dict[int, StageRef] = {}
+        self._attached = start
         self._first_healthy: float | None = None
+        self._stage_exit_seen = False
         self._health_failures = 0
         self._health_failed_since = 0.0
         self._health_confirmed_at = 0.0
@@ -126,7 +137,8 @@ class Detector:
     def _on_heartbeat(self, obs: Observation) -> None:
         memory = self._memory(obs.stage)
         if memory is not None:
-            memory.last_heartbeat = obs.time
+            # Spans of a sender the tracker had not recorded yet arrive late, and older.
+            memory.last_heartbeat = max(obs.time, memory.last_heartbeat or obs.time)
 
     def _on_admitted(self, obs: Observation) -> None:
         self._pending.admit(obs.request_id, obs.path, obs.time)
@@ -220,6 +232,8 @@ class Detector:
         if memory is None:
             return
         known = memory.processes.get(info.pid)
+        if known is None and len(memory.processes) >= MAX_PROCESSES_PER_STAGE:
+            return
         if known is None or known.info.create_time != info.create_time:
             known = _ProcessMemory(info, obs.time, obs.time)
             memory.processes[info.pid] = known
@@ -227,6 +241,7 @@ class Detector:
             if known.exited_at is None:
                 known.exited_at = obs.time
                 if info.role in _STAGE_ROLES and self._root_alive():
+                    self._stage_exit_seen = True
                     self._sign(obs.time, f"{info.role.value} pid {info.pid} of stage exited")
             known.info = info
             return
@@ -257,10 +272,11 @@ class Detector:
     # ---- queries ------------------------------------------------------------------
 
     def warmed_up(self, now: float) -> bool:
-        return (
-            self._first_healthy is not None
-            and now >= self._first_healthy + self._config.startup_grace
-        )
+        """Start-up is over: healthy for `startup_grace`, broken since attach for
+        `startup_timeout`, or broken for sure (a recorded stage process exited)."""
+        if self._first_healthy is not None:
+            return now >= self._first_healthy + self._config.startup_grace
+        return self._stage_exit_seen or now >= self._attached + self._config.startup_timeout
 
     def last_progress(self) -> float | None:
         """When any stage last showed organic progress, for scheduling the canary."""
@@ -302,7 +318,8 @@ class Detector:
         verdicts: list[Verdict] = []
         for ref, memory in self._stages.items():
             evidence = list(own[ref])
-            if shared and not self._shows_own_liveness(memory, now):
+            held_up = self._held_up(memory, evidence, now)
+            if shared and (held_up or not self._shows_own_liveness(memory, now)):
                 evidence.extend(
                     Evidence(kind, ref, since, detail) for kind, since, detail in shared
                 )
@@ -310,7 +327,7 @@ class Detector:
                 state = StageState.DEAD
                 evidence = [self._server_gone(ref)]
             elif warm:
-                state = self._decide(memory, evidence, now)
+                state = self._decide(memory, evidence, now, held_up)
             else:
                 state = StageState.STARTING
             if state in (StageState.STALLED, StageState.DEAD):
@@ -324,7 +341,9 @@ class Detector:
             )
         return DetectorReport(now, warm, tuple(statuses), tuple(verdicts), target_exit)
 
-    def _decide(self, memory: _StageMemory, evidence: list[Evidence], now: float) -> StageState:
+    def _decide(
+        self, memory: _StageMemory, evidence: list[Evidence], now: float, held_up: bool
+    ) -> StageState:
         kinds = {e.kind for e in evidence if e.kind not in _CONSEQUENCES}
         if not kinds:
             has_signal = (
@@ -340,9 +359,22 @@ class Detector:
         )
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
-        if confirmed and not self._progressing(memory, now):
+        if confirmed and (held_up or not self._progressing(memory, now)):
             return StageState.STALLED
         return StageState.DEGRADED
+
+    def _held_up(self, memory: _StageMemory, evidence: list[Evidence], now: float) -> bool:
+        """The world says the stage cannot be working: one of its processes is stopped, or
+        its counters are flat with work queued. Heartbeats and spans, which anyone who can
+        reach the receiver could send, never outweigh that."""
+        if any(e.kind is EvidenceKind.PROGRESS_FLAT for e in evidence):
+            return True
+        return any(
+            p.exited_at is None
+            and p.info.status is ProcessStatus.STOPPED
+            and now - p.status_since > self._config.stuck_timeout
+            for p in memory.processes.values()
+        )
 
     def _load(self, memory: _StageMemory, now: float) -> float:
         """Requests on the stage, or 0 when the last scrape is too old to say."""
@@ -527,7 +559,10 @@ class Detector:
             return None
         memory = self._stages.get(stage)
         if memory is None:
-            # A replica the stage config did not list (e.g. scaled up): track it anyway.
+            # A replica the stage config did not list (e.g. scaled up) that the tree's titles
+            # name: track it anyway, up to a bound. Spans name only stages known already.
+            if len(self._stages) - len(self._names_of_topology) >= MAX_EXTRA_STAGES:
+                return None
             memory = _StageMemory(since=0.0)
             self._stages[stage] = memory
             self._names[stage] = self._stage_name(stage)

@@ -12,6 +12,9 @@ from omni_watchdog.types import Incident, StageState
 if TYPE_CHECKING:
     from omni_watchdog.app import Watchdog
 
+# /healthz fails when the last evaluation is older than this (20 evaluation intervals):
+# judging has stopped, and the watchdog could not see a hang.
+EVALUATION_STALE_AFTER = 5.0
 # Liveness is about progress: slow (degraded) still passes, as vLLM's own /health would.
 _LIVE_STATES = (StageState.HEALTHY, StageState.DEGRADED)
 
@@ -102,6 +105,13 @@ def status_of(watchdog: Watchdog) -> dict[str, Any]:
         "gpu": gpu,
         "incident": None if current is None else current.incident_id,
         "remediation_budget_remaining": watchdog.policy.budget_remaining(),
+        "lock": to_jsonable(watchdog.policy.lock_status()),
+        "watchdog": {
+            "evaluation_age_seconds": watchdog.evaluation_age(),
+            "internal_errors": dict(watchdog.internal_errors),
+            "state_write_errors": watchdog.write_errors.total,
+            "last_state_write_error": watchdog.write_errors.last,
+        },
     }
 
 
@@ -170,6 +180,11 @@ def build_api(watchdog: Watchdog) -> web.Application:
         return web.json_response(body)
 
     async def own_health(_: web.Request) -> web.Response:
+        age = watchdog.evaluation_age()
+        if age is None or age > EVALUATION_STALE_AFTER:
+            # Judging has stopped (or never started): the watchdog cannot see a hang.
+            seen = "no evaluation yet" if age is None else f"last evaluation {age:.1f}s ago"
+            return web.Response(status=503, text=f"not evaluating: {seen}\n")
         return web.Response(text="ok\n")
 
     async def metrics(_: web.Request) -> web.Response:

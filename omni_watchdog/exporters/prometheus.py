@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from omni_watchdog import __version__
 from omni_watchdog.exporters.api import target_health
+from omni_watchdog.serving import CLOSE_REASONS
 from omni_watchdog.types import (
     EvidenceKind,
     HealthOutcome,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from omni_watchdog.app import Watchdog
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LISTENERS = ("api", "otlp")
 PREFIX = "omni_watchdog_"
 
 # Stage spans range from milliseconds (a token) to the 300 s engine timeouts seen upstream.
@@ -148,6 +150,34 @@ FAMILIES = (
         "remediation_budget_exhausted_total",
         "counter",
         "Incidents that could not be enforced because the hourly budget was spent.",
+    ),
+    (
+        "internal_errors_total",
+        "counter",
+        "Exceptions caught in the watchdog's own loops; the loop went on.",
+    ),
+    (
+        "evaluation_age_seconds",
+        "gauge",
+        "Seconds since the detector last evaluated the stages, NaN before the first.",
+    ),
+    (
+        "state_write_errors_total",
+        "counter",
+        "Writes to the state directory (journal, bundles) that failed; remediation went on"
+        " without them.",
+    ),
+    (
+        "target_lock_conflict",
+        "gauge",
+        "Whether another watchdog or a foreign file holds this target's lock, so this one"
+        " only observes.",
+    ),
+    (
+        "connections_closed_total",
+        "counter",
+        "Connections a listener closed: over its connection cap, or without a whole request"
+        " head in time.",
     ),
 )
 FAMILY_NAMES = tuple(PREFIX + name for name, _, _ in FAMILIES)
@@ -369,6 +399,7 @@ class MetricsExposition:
         self._gpus(out)
         self._processes(out)
         self._remediation(out)
+        self._self_health(out)
         out.append("")
         return "\n".join(out).encode()
 
@@ -599,3 +630,31 @@ class MetricsExposition:
             _HEADERS["remediation_budget_exhausted_total"],
             f"{PREFIX}remediation_budget_exhausted_total {policy.budget_exhausted_total}",
         )
+
+    def _self_health(self, out: list[str]) -> None:
+        watchdog = self._watchdog
+        out.append(_HEADERS["internal_errors_total"])
+        out += (
+            f'{PREFIX}internal_errors_total{{loop="{loop}"}} {count}'
+            for loop, count in watchdog.internal_errors.items()
+        )
+        age = watchdog.evaluation_age()
+        out += (
+            _HEADERS["evaluation_age_seconds"],
+            f"{PREFIX}evaluation_age_seconds {number(math.nan if age is None else age)}",
+        )
+        out += (
+            _HEADERS["state_write_errors_total"],
+            f"{PREFIX}state_write_errors_total {watchdog.write_errors.total}",
+            _HEADERS["target_lock_conflict"],
+            f"{PREFIX}target_lock_conflict {int(bool(watchdog.policy.lock_status().conflict))}",
+        )
+        out.append(_HEADERS["connections_closed_total"])
+        for listener in LISTENERS:
+            running = watchdog.listeners.get(listener)
+            closed = running.closed if running is not None else {}
+            out += (
+                f'{PREFIX}connections_closed_total{{listener="{listener}",reason="{reason}"}}'
+                f" {closed.get(reason, 0)}"
+                for reason in CLOSE_REASONS
+            )

@@ -60,8 +60,13 @@ class ShutdownAuthority:
                 403, {"error": f"shutdown disabled: {ADMIN_TOKEN_ENV} is not set"}, {}
             )
         scheme, _, presented = (authorization or "").partition(" ")
+        try:
+            presented_bytes = presented.strip().encode()
+        except UnicodeEncodeError:
+            # aiohttp keeps undecodable header bytes as lone surrogates: no token has them.
+            presented_bytes = b""
         # Constant time, so the token cannot be guessed a byte at a time from answer delays.
-        matches = hmac.compare_digest(presented.strip().encode(), self._token)
+        matches = hmac.compare_digest(presented_bytes, self._token)
         if scheme.lower() != "bearer" or not matches:
             return AdminAnswer(
                 401, {"error": "missing or wrong bearer token"}, {"WWW-Authenticate": "Bearer"}

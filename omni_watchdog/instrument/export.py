@@ -7,8 +7,9 @@ straight to protobuf's wire format (the bytes equal the SDK encoder's, which the
 check) and posted over one kept-alive `http.client` connection.
 
 This exporter serves `OMNI_WATCHDOG_OTLP_ENDPOINT` only: the watchdog's receiver needs no
-headers, compression or client certificates. A general collector named by the standard
-`OTEL_EXPORTER_OTLP_*` variables keeps the SDK's exporter, which honours all of those.
+compression or client certificates, and its one header, the bearer token, is given here. A
+general collector named by the standard `OTEL_EXPORTER_OTLP_*` variables keeps the SDK's
+exporter, which honours all of those.
 """
 
 from __future__ import annotations
@@ -291,7 +292,7 @@ _STALE_CONNECTION = (http.client.RemoteDisconnected, BrokenPipeError, Connection
 class WatchdogSpanExporter(SpanExporter):
     """Posts each batch to the watchdog's OTLP/HTTP receiver over one kept-alive connection."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, token: str = "") -> None:
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {endpoint!r}")
@@ -304,6 +305,8 @@ class WatchdogSpanExporter(SpanExporter):
             "Content-Type": "application/x-protobuf",
             "User-Agent": f"omni-watchdog-instrument/{__version__}",
         }
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._lock = threading.Lock()
         self._connection: http.client.HTTPConnection | None = None
 

@@ -26,12 +26,13 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags, get_current_span
 from opentelemetry.util.types import AttributeValue
 
-from omni_watchdog import __version__
+from omni_watchdog import __version__, process_start
 from omni_watchdog.instrument.export import WatchdogSpanExporter
 
 logger = logging.getLogger(__name__)
 
 ENDPOINT_ENV = "OMNI_WATCHDOG_OTLP_ENDPOINT"
+TOKEN_ENV = "OMNI_WATCHDOG_OTLP_TOKEN"
 STANDARD_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 HEARTBEAT_INTERVAL_ENV = "OMNI_WATCHDOG_HEARTBEAT_INTERVAL"
 SERVICE_NAME_ENV = "OTEL_SERVICE_NAME"
@@ -208,10 +209,14 @@ class StageTelemetry:
         self._ids = RandomIdGenerator()
         if exporter is None:
             return
+        sender = os.getpid() if pid is None else pid
         resource: dict[str, AttributeValue] = {
             "service.name": service_name,
             "omni.process.kind": process_kind,
-            "process.pid": os.getpid() if pid is None else pid,
+            "process.pid": sender,
+            # The watchdog takes a span as evidence only from a process of the target's
+            # tree: pid and start together name this process for life on this host.
+            **process_start.sender_attributes(sender),
         }
         if stage_name is not None:
             resource["omni.stage.name"] = stage_name
@@ -444,7 +449,8 @@ def _exporter(environ: Mapping[str, str]) -> SpanExporter | None:
     """The watchdog's own lean exporter for its endpoint; the SDK's for a general collector."""
     own = _own_endpoint(environ)
     if own is not None:
-        return WatchdogSpanExporter(own, timeout_s=EXPORT_TIMEOUT_S)
+        token = environ.get(TOKEN_ENV, "").strip()
+        return WatchdogSpanExporter(own, timeout_s=EXPORT_TIMEOUT_S, token=token)
     standard = traces_endpoint(environ)
     if standard is None:
         return None

@@ -2,7 +2,9 @@
 
 capture -> shutdown -> terminate -> kill -> verify. Each step has a time bound and an
 outcome; a step that leaves no recorded process alive ends the climb early and goes to
-verify, which decides the incident's outcome from processes and GPU memory.
+verify, which decides the incident's outcome from processes and GPU memory. A recorded
+process that SIGKILL reached and that verify still finds alive is unkillable: it sleeps
+uninterruptibly in the kernel, and verify reports its state and wait channel.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from omni_watchdog.config import LadderConfig
 from omni_watchdog.policy.actuators import Actuators
+from omni_watchdog.policy.inspect import ProcessCondition, read_condition
 from omni_watchdog.types import (
     Clock,
     Incident,
@@ -33,6 +36,8 @@ _POLL = 0.05
 
 # How the shutdown step says that the server went away on its own: then it crashed.
 EXITED_BY_ITSELF = "the server exited by itself"
+# The bundle file naming the processes that outlived SIGKILL, with state and wait channel.
+UNKILLABLE_REPORT = "unkillable.json"
 
 _RECOVERED_BY = {
     StepName.SHUTDOWN: IncidentOutcome.RECOVERED_BY_SHUTDOWN,
@@ -132,9 +137,13 @@ class LadderRunner:
         admin_token: str,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         server_gone: Callable[[], bool] = lambda: False,
+        inspect: Callable[[ProcessIdentity], ProcessCondition] = read_condition,
+        report: Callable[[str, str, object], None] = lambda incident_id, name, value: None,
     ) -> None:
         """`server_gone` tells whether nothing listens on the server's port any more: the
-        only sign of its exit when none of its processes is visible."""
+        only sign of its exit when none of its processes is visible. `inspect` reads a
+        survivor's state and wait channel; `report` writes a named file into the incident's
+        bundle."""
         self._steps = steps
         self._config = config
         self._actuators = actuators
@@ -146,6 +155,8 @@ class LadderRunner:
         self._admin_token = admin_token
         self._sleep = sleep
         self._server_gone = server_gone
+        self._inspect = inspect
+        self._report = report
 
     async def run(
         self,
@@ -188,13 +199,26 @@ class LadderRunner:
         if incident.mode is Mode.OBSERVE:
             return IncidentOutcome.OBSERVED
         verify = next((s for s in incident.steps if s.step is StepName.VERIFY), None)
-        if verify is None or verify.outcome is StepOutcome.FAILED:
+        if verify is None:
             return IncidentOutcome.FAILED
+        if verify.outcome is StepOutcome.FAILED:
+            return IncidentOutcome.UNKILLABLE if _killed(incident) else IncidentOutcome.FAILED
         if verify.outcome is not StepOutcome.OK:
             return IncidentOutcome.LEAKED
         if recovered_by is None:
             recovered_by = next(
                 (s.step for s in incident.steps if s.outcome is StepOutcome.RECOVERED), None
+            )
+        if recovered_by is None:
+            # A process that exits only after its step's grace (a slow driver release) was
+            # still stopped by that step, not crashed.
+            recovered_by = next(
+                (
+                    s.step
+                    for s in reversed(incident.steps)
+                    if s.step in _RECOVERED_BY and s.outcome is StepOutcome.NOT_RECOVERED
+                ),
+                None,
             )
         if recovered_by is None:
             # Nothing had to be stopped: the server had already gone by itself.
@@ -219,7 +243,7 @@ class LadderRunner:
         elif step.name is StepName.KILL:
             outcome, detail = await self._signal_all(snapshot, signal.SIGKILL, step.timeout, True)
         else:
-            outcome, detail = await self._verify(snapshot, step.timeout)
+            outcome, detail = await self._verify(incident, snapshot, step.timeout)
         duration = self._clock.monotonic() - begun
         pids = tuple(p.pid for p in snapshot.processes)
         return StepResult(step.name, outcome, started, duration, detail, pids)
@@ -268,6 +292,7 @@ class LadderRunner:
         if not survivors:
             return StepOutcome.SKIPPED, "no recorded process is alive"
         notes = []
+        refused = False
         for pgid in snapshot.pgids():
             members = [p.identity for p in survivors if p.pgid == pgid]
             if not members:
@@ -282,12 +307,15 @@ class LadderRunner:
             for target in await self._kill_targets(snapshot):
                 record = self._actuators.signal_process(target, sig)
                 notes.append(self._note(record.target, record.sent, record.reason))
+                # A survivor the guard or the kernel kept SIGKILL from is not unkillable.
+                refused = refused or (not record.sent and self._alive(target))
         gone = await self._wait_gone(snapshot, grace)
         detail = f"{sig.name}: " + "; ".join(notes)
         if gone:
             return StepOutcome.RECOVERED, detail + "; every recorded process exited"
         left = ", ".join(str(p.pid) for p in self._survivors(snapshot))
-        return StepOutcome.NOT_RECOVERED, detail + f"; still alive after {grace:g}s: {left}"
+        outcome = StepOutcome.REFUSED if refused else StepOutcome.NOT_RECOVERED
+        return outcome, detail + f"; still alive after {grace:g}s: {left}"
 
     async def _kill_targets(self, snapshot: TargetSnapshot) -> list[ProcessIdentity]:
         """Every surviving recorded process, and every recorded pid NVML shows holding memory."""
@@ -301,7 +329,9 @@ class LadderRunner:
                     targets.append(identity)
         return targets
 
-    async def _verify(self, snapshot: TargetSnapshot, timeout: float) -> tuple[StepOutcome, str]:
+    async def _verify(
+        self, incident: Incident, snapshot: TargetSnapshot, timeout: float
+    ) -> tuple[StepOutcome, str]:
         if not snapshot.processes:
             return await self._verify_port(timeout)
         deadline = self._clock.monotonic() + timeout
@@ -313,10 +343,29 @@ class LadderRunner:
             if self._clock.monotonic() >= deadline:
                 break
             await self._sleep(_POLL)
-        if survivors:
-            left = ", ".join(f"{p.pid} ({p.title})" for p in survivors)
+        if not survivors:
+            return StepOutcome.NOT_RECOVERED, f"processes gone but {memory_note}"
+        conditions = [(p, self._inspect(p.identity)) for p in survivors]
+        left = ", ".join(f"pid {p.pid} ({p.title}) {c.describe()}" for p, c in conditions)
+        if not _killed(incident):
             return StepOutcome.FAILED, f"still alive after {timeout:g}s: {left}; {memory_note}"
-        return StepOutcome.NOT_RECOVERED, f"processes gone but {memory_note}"
+        detail = f"unkillable: still alive {timeout:g}s after the kill step: {left}; {memory_note}"
+        report = [
+            {
+                "pid": p.pid,
+                "create_time": p.create_time,
+                "title": p.title,
+                "state": condition.state,
+                "wait_channel": condition.wait_channel,
+            }
+            for p, condition in conditions
+        ]
+        try:
+            self._report(incident.incident_id, UNKILLABLE_REPORT, report)
+        except OSError as error:
+            # A full or read-only state directory costs the file, not the incident.
+            detail += f"; {UNKILLABLE_REPORT} not written: {error}"
+        return StepOutcome.FAILED, detail
 
     async def _verify_port(self, timeout: float) -> tuple[StepOutcome, str]:
         """Without the server's processes in view, its port going quiet is the exit."""
@@ -406,3 +455,10 @@ class LadderRunner:
     @staticmethod
     def _note(target: str, sent: bool, reason: str) -> str:
         return f"{target} sent" if sent else f"{target} not signalled ({reason})"
+
+
+def _killed(incident: Incident) -> bool:
+    """SIGKILL reached every process the kill step found alive, and not all of them died."""
+    return any(
+        s.step is StepName.KILL and s.outcome is StepOutcome.NOT_RECOVERED for s in incident.steps
+    )

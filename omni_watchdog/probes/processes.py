@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from omni_watchdog import process_start
+from omni_watchdog.redact import redact_argv
 from omni_watchdog.types import (
     Clock,
     Observation,
@@ -124,6 +125,7 @@ class ProcessTracker:
         topology: Topology,
         process_groups: Callable[[int], tuple[int, int]] = os_process_groups,
         start_time: Callable[[int], float] = process_start.start_time,
+        start_time_of_ticks: Callable[[int], float] = process_start.start_time_of_ticks,
     ) -> None:
         if pid is None and target_port is None:
             raise ValueError("ProcessTracker needs the server's pid or its port")
@@ -135,6 +137,7 @@ class ProcessTracker:
         self._topology = topology
         self._process_groups = process_groups
         self._start_time = start_time
+        self._start_time_of_ticks = start_time_of_ticks
         self._current: _Generation | None = None
         self._previous: _Generation | None = None
         self._learned: dict[int, tuple[StageRef, ProcessRole | None]] = {}
@@ -182,6 +185,24 @@ class ProcessTracker:
         with contextlib.suppress(OSError):
             groups.discard(self._process_groups(self._own_pid)[0])
         return groups
+
+    # --- whom spans may speak for (types.SpanSenders) ----------------------------------
+
+    def owns(self, pid: int | None, start_ticks: int | None) -> bool:
+        """The sender is a live recorded process of the current generation."""
+        if pid is None or start_ticks is None or self._current is None:
+            return False
+        identity = ProcessIdentity(pid, self._start_time_of_ticks(start_ticks))
+        info = self._current.records.get(identity)
+        return info is not None and info.status is not ProcessStatus.EXITED
+
+    def knows(self, stage: StageRef) -> bool:
+        """A stage replica of the topology, or one a live recorded process serves."""
+        return stage in self._topology.refs() or self.maps(stage)
+
+    def maps(self, stage: StageRef) -> bool:
+        """A live recorded process of this generation serves the stage replica."""
+        return any(info.stage == stage for info in self.live())
 
     def learn_stage(self, pid: int, stage: StageRef, process_kind: str | None) -> None:
         """Map a pid to a stage from span resource attributes; this beats titles and order."""
@@ -513,7 +534,8 @@ class ProcessTracker:
             status = STATUS_OF_PSUTIL.get(process.status(), ProcessStatus.SLEEPING)
             ppid = process.ppid()
             try:
-                title = " ".join(part for part in process.cmdline() if part).strip()
+                # Titles reach the API, logs and bundles: a secret on the command line must not.
+                title = " ".join(part for part in redact_argv(process.cmdline()) if part).strip()
                 title = title or process.name()
             except (psutil.ZombieProcess, psutil.AccessDenied):
                 title = ""

@@ -1,7 +1,9 @@
 """The last spans of every stage, kept in ring buffers for the detector and incident bundles.
 
-Spans are stored as the decoded OTLP messages they arrived in and become `SpanRecord`s
-only when read: ingestion is the hot path, reading happens once per incident.
+Spans are stored as their own serialized bytes and become `SpanRecord`s only when read:
+ingestion is the hot path, reading happens once per incident. A decoded span would keep
+the whole request it came in alive, and a span past `MAX_SPAN_BYTES` is cut down first,
+so what the store holds is bounded whatever senders put in a span.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Union
 
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from omni_watchdog.process_start import BOOT_ID_KEY, START_TICKS_KEY
 from omni_watchdog.types import StageRef
 
 AttributeValue = Union[str, int, float, bool, list[Any]]  # noqa: UP007 (an alias, 3.10)
@@ -35,6 +40,15 @@ GEN_AI_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
 STATUS_NAMES = ("unset", "ok", "error")
 STATUS_CODE_ERROR = 2
 
+# Bounds on what one span or resource may make the watchdog keep.
+MAX_SPAN_BYTES = 4096
+MAX_ATTRIBUTES = 64
+MAX_TEXT = 256
+MAX_ITEMS = 16
+MAX_EVENTS = 8
+# Pids whose stage a resource taught; the target's tree is far smaller.
+MAX_LEARNED_PIDS = 4096
+
 
 def attribute_value(value: Any) -> AttributeValue | None:
     """The Python value of an OTLP `AnyValue`; bytes become hex, maps become flat keys later."""
@@ -57,6 +71,85 @@ def flat_attributes(key_values: Iterable[Any]) -> dict[str, AttributeValue]:
     for kv in key_values:
         _put_flat(flat, kv.key, attribute_value(kv.value))
     return flat
+
+
+def bounded_attributes(key_values: Any) -> dict[str, AttributeValue]:
+    """Like `flat_attributes`, but at most `MAX_ATTRIBUTES` keys, texts cut to `MAX_TEXT`,
+    lists to `MAX_ITEMS`, and nested maps kept as their text: for what a sender says about
+    itself, which is kept for as long as its spans are."""
+    bounded: dict[str, AttributeValue] = {}
+    for kv in key_values[:MAX_ATTRIBUTES]:
+        value = kv.value
+        which = value.WhichOneof("value")
+        if which == "array_value":
+            items = [_bounded_scalar(item) for item in value.array_value.values[:MAX_ITEMS]]
+            bounded[kv.key[:MAX_TEXT]] = [item for item in items if item is not None]
+        elif which is not None:
+            scalar = _bounded_scalar(value)
+            if scalar is not None:
+                bounded[kv.key[:MAX_TEXT]] = scalar
+    return bounded
+
+
+def _bounded_scalar(value: Any) -> str | int | float | bool | None:
+    which = value.WhichOneof("value")
+    if which in ("string_value", "int_value", "double_value", "bool_value"):
+        scalar: str | int | float | bool = getattr(value, which)
+        return scalar[:MAX_TEXT] if isinstance(scalar, str) else scalar
+    if which == "bytes_value":
+        return bytes(value.bytes_value[: MAX_TEXT // 2]).hex()
+    if which is None:
+        return None
+    return str(value)[:MAX_TEXT]
+
+
+def compact_span(span: Any) -> bytes:
+    """The span as bytes no longer than about `MAX_SPAN_BYTES`: whole when it fits, else
+    with its attributes bounded, its events reduced to their names and exception
+    messages, and its links and dropped counts left out."""
+    data: bytes = span.SerializeToString()
+    if len(data) <= MAX_SPAN_BYTES:
+        return data
+    kept = Span(
+        trace_id=span.trace_id,
+        span_id=span.span_id,
+        parent_span_id=span.parent_span_id,
+        name=span.name[:MAX_TEXT],
+        kind=span.kind,
+        start_time_unix_nano=span.start_time_unix_nano,
+        end_time_unix_nano=span.end_time_unix_nano,
+    )
+    kept.status.code = span.status.code
+    kept.status.message = span.status.message[:MAX_TEXT]
+    budget = MAX_SPAN_BYTES - kept.ByteSize()
+    for kv in span.attributes:
+        scalar = _bounded_scalar(kv.value)
+        if scalar is None:
+            continue
+        attribute = kept.attributes.add(key=kv.key[:MAX_TEXT])
+        if isinstance(scalar, bool):
+            attribute.value.bool_value = scalar
+        elif isinstance(scalar, int):
+            attribute.value.int_value = scalar
+        elif isinstance(scalar, float):
+            attribute.value.double_value = scalar
+        else:
+            attribute.value.string_value = scalar
+        budget -= attribute.ByteSize() + 2
+        if budget <= 0 or len(kept.attributes) >= MAX_ATTRIBUTES:
+            break
+    for event in span.events[:MAX_EVENTS]:
+        if budget <= 0:
+            break
+        copied = kept.events.add(name=event.name[:MAX_TEXT], time_unix_nano=event.time_unix_nano)
+        for kv in event.attributes:
+            if kv.key == "exception.message":
+                copied.attributes.add(key=kv.key).value.string_value = str(
+                    _bounded_scalar(kv.value)
+                )
+        budget -= copied.ByteSize() + 2
+    result: bytes = kept.SerializeToString()
+    return result
 
 
 def _put_flat(flat: dict[str, AttributeValue], key: str, value: Any) -> None:
@@ -108,6 +201,8 @@ class ResourceInfo:
     pid: int | None
     process_kind: str
     service_name: str
+    start_ticks: int | None = None
+    boot_id: str = ""
 
     @classmethod
     def from_attributes(
@@ -125,6 +220,8 @@ class ResourceInfo:
             pid=pid,
             process_kind=str(kind),
             service_name=str(attributes.get(SERVICE_NAME, "")),
+            start_ticks=as_int(attributes.get(START_TICKS_KEY)),
+            boot_id=str(attributes.get(BOOT_ID_KEY, "")),
         )
 
 
@@ -207,12 +304,13 @@ class SpanStore:
         if ring_size < 1:
             raise ValueError(f"ring_size must be at least 1, got {ring_size}")
         self.ring_size = ring_size
-        # Each entry is (span message, its resource, the stage it was filed under).
-        self._rings: dict[StageRef | None, deque[tuple[Any, ResourceInfo, StageRef | None]]] = {}
+        # Each entry is (span bytes, its resource, the stage it was filed under).
+        self._rings: dict[StageRef | None, deque[tuple[bytes, ResourceInfo, StageRef | None]]] = {}
         self._pids: dict[int, tuple[StageRef, str]] = {}
 
-    def ring(self, stage: StageRef | None) -> deque[tuple[Any, ResourceInfo, StageRef | None]]:
-        """The ring buffer of `stage`, created on first use; append (span, resource, stage)."""
+    def ring(self, stage: StageRef | None) -> deque[tuple[bytes, ResourceInfo, StageRef | None]]:
+        """The ring of `stage`, created on first use; append (`compact_span` bytes, resource,
+        stage). The receiver creates rings only for stages of the topology or the tree."""
         ring = self._rings.get(stage)
         if ring is None:
             ring = self._rings[stage] = deque(maxlen=self.ring_size)
@@ -220,6 +318,8 @@ class SpanStore:
 
     def learn_pid(self, pid: int, stage: StageRef, process_kind: str) -> None:
         """Remember that `pid` serves `stage`, as a batch's resource attributes said."""
+        if pid not in self._pids and len(self._pids) >= MAX_LEARNED_PIDS:
+            del self._pids[next(iter(self._pids))]
         self._pids[pid] = (stage, process_kind)
 
     def recent(self, stage: StageRef | None) -> list[SpanRecord]:
@@ -227,7 +327,10 @@ class SpanStore:
         ring = self._rings.get(stage)
         if ring is None:
             return []
-        return [SpanRecord.from_span(span, resource, filed) for span, resource, filed in ring]
+        return [
+            SpanRecord.from_span(Span.FromString(data), resource, filed)
+            for data, resource, filed in ring
+        ]
 
     def stages(self) -> list[StageRef]:
         """Stages that have spans kept, in order."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import enum
+import hmac
 import json
 import logging
 import zlib
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,7 @@ from omni_watchdog.config import SpansConfig
 from omni_watchdog.probes.span_store import (
     EMPTY_RESOURCE,
     GEN_AI_REQUEST_ID,
+    MAX_SPAN_BYTES,
     REQUEST_ID,
     STAGE_ID,
     STAGE_PATH,
@@ -42,10 +45,11 @@ from omni_watchdog.probes.span_store import (
     SpanStore,
     as_int,
     attribute_value,
-    flat_attributes,
+    bounded_attributes,
+    compact_span,
     stage_of,
 )
-from omni_watchdog.types import Clock, Observation, ObservationKind, StageRef
+from omni_watchdog.types import Clock, Observation, ObservationKind, SpanSenders, StageRef
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +73,12 @@ REJECTION_REASONS = (
     "too_large",
     "unsupported_media_type",
     "queue_full",
+    "unauthorized",
+    "unknown_sender",
+    "unknown_stage",
+    "body_timeout",
 )
-RESPONSE_STATUSES = (200, 400, 404, 405, 413, 415, 503)
+RESPONSE_STATUSES = (200, 400, 401, 404, 405, 408, 413, 415, 503)
 RETRY_AFTER_SECONDS = 1
 
 # google.rpc.Code values for the Status body of a failed export.
@@ -90,6 +98,37 @@ _WANTED_KEY_BYTES = tuple((key, key.encode()) for key in sorted(_WANTED_KEYS))
 _NOTHING: dict[str, Any] = {}
 # Distinct stage attribute values remembered; senders use a handful, a hostile one more.
 _STAGE_CACHE_SIZE = 4096
+# Only short attribute values are remembered as cache keys, so a key never holds a body.
+_CACHEABLE_TEXT = 32
+# Request ids past this length are cut: an id names a request, it does not carry one.
+MAX_REQUEST_ID = 256
+MAX_STAGE_PATH = 64
+# Spans of a process the tracker has not recorded yet (it scans every probes.interval)
+# wait this long, at most this many, before they count as from a stranger.
+SENDER_GRACE_SECONDS = 2.0
+MAX_WAITING_SPANS = 10_000
+
+
+class _Trust(enum.Enum):
+    """How far the process behind one resource of an export may be believed."""
+
+    TARGET = "target"  # a live recorded process of the target
+    UNRECORDED = "unrecorded"  # names itself by pid and start, but is not recorded (yet)
+    ANONYMOUS = "anonymous"  # no start time: vLLM's own spans, or a client of its own
+    FOREIGN = "foreign"  # another host or another boot
+
+
+@dataclass
+class _Waiting:
+    """The spans of one resource whose sender is not recorded yet, held for its grace."""
+
+    received: float
+    pid: int
+    start_ticks: int
+    count: int
+    observations: list[Observation]
+    kept: list[tuple[StageRef | None, bytes]]
+    resource: ResourceInfo
 
 
 class OtlpError(Exception):
@@ -208,7 +247,7 @@ def gunzip(data: bytes, limit: int) -> bytes:
                 raise OtlpError(413, "too_large", f"body is over {limit} bytes once decompressed")
             parts.append(chunk)
             pending = inflater.unconsumed_tail
-            if not pending and not chunk:
+            if not pending and not chunk and not inflater.eof:
                 raise OtlpError(400, "decode_error", "bad gzip body: truncated stream")
         # Concatenated gzip members are one body.
         pending = inflater.unused_data
@@ -265,10 +304,18 @@ def decode_body(body: bytes, media_type: str) -> ExportTraceServiceRequest:
 
 
 def _stage_path(value: object) -> tuple[int, ...]:
-    if not isinstance(value, list):
+    if not isinstance(value, list) or len(value) > MAX_STAGE_PATH:
         return ()
     path = tuple(stage for stage in (as_int(item) for item in value) if stage is not None)
     return path if len(path) == len(value) else ()
+
+
+def _request_id(found: Mapping[str, Any], key: str, fallback: str = "") -> str:
+    value = found.get(key)
+    if value is None:
+        value = found.get(fallback, "") if fallback else ""
+    text = value if type(value) is str else str(value)
+    return text if len(text) <= MAX_REQUEST_ID else text[:MAX_REQUEST_ID]
 
 
 def _stage_span(span: Any, stage: StageRef, found: Mapping[str, Any], now: float) -> Observation:
@@ -280,8 +327,8 @@ def _stage_span(span: Any, stage: StageRef, found: Mapping[str, Any], now: float
         stage=stage,
         value=max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
         outcome="error" if failed else "ok",
-        detail=_error_detail(span) if failed else "",
-        request_id=str(found.get(REQUEST_ID, found.get(GEN_AI_REQUEST_ID, ""))),
+        detail=_error_detail(span)[:MAX_REQUEST_ID] if failed else "",
+        request_id=_request_id(found, REQUEST_ID, GEN_AI_REQUEST_ID),
     )
 
 
@@ -297,8 +344,34 @@ def _error_detail(span: Any) -> str:
     return ""
 
 
+def _asked(
+    question: Callable[[StageRef], bool], stage: StageRef, answers: dict[StageRef, bool]
+) -> bool:
+    """`question(stage)`, asked once per stage and body: the tracker walks its records."""
+    answer = answers.get(stage)
+    if answer is None:
+        answer = answers[stage] = question(stage)
+    return answer
+
+
+def _cacheable(value: object) -> bool:
+    return (
+        value is None
+        or isinstance(value, int)
+        or (isinstance(value, str) and len(value) <= _CACHEABLE_TEXT)
+    )
+
+
 class SpanReceiver:
-    """OTLP/HTTP `/v1/traces`: decodes, maps to observations, stores, optionally forwards."""
+    """OTLP/HTTP `/v1/traces`: decodes, maps to observations, stores, optionally forwards.
+
+    Only spans from the target are evidence. A resource that names its process by pid and
+    start (the instrument plugin does) is believed when `senders` owns that process; one
+    the tracker has not recorded yet waits up to `sender_grace` for its next scan. vLLM's
+    own spans name no start: they count only as `llm_request` progress of a stage the
+    tree already maps. Every span names a known stage or none. The rest is counted in
+    `spans_rejected` by reason and never reaches the detector or the store.
+    """
 
     name = "spans"
 
@@ -308,18 +381,27 @@ class SpanReceiver:
         clock: Clock,
         store: SpanStore,
         forwarder: SpanForwarder | None = None,
+        *,
+        senders: SpanSenders,
+        token: str = "",
+        boot_id: str = "",
+        sender_grace: float = SENDER_GRACE_SECONDS,
     ) -> None:
         self._config = config
         self._clock = clock
         self.store = store
         self._forwarder = forwarder
+        self._senders = senders
+        self._token = token.encode() if token else None
+        self._boot_id = boot_id
+        self._sender_grace = sender_grace
         self._batches: deque[list[Observation]] = deque()
+        self._waiting: deque[_Waiting] = deque()
+        self._waiting_spans = 0
         self._accepted = 0
         self._rejected = dict.fromkeys(REJECTION_REASONS, 0)
         self._requests = dict.fromkeys(RESPONSE_STATUSES, 0)
         self._stage_refs: dict[tuple[object, object], StageRef | None] = {}
-        self._runner: web.AppRunner | None = None
-        self.bound_port: int | None = None
         self._empty_response = {
             PROTOBUF: ExportTraceServiceResponse().SerializeToString(),
             JSON: b"{}",
@@ -339,7 +421,9 @@ class SpanReceiver:
         )
 
     async def collect(self) -> list[Observation]:
-        """The observations decoded since the last call, oldest first."""
+        """The observations decoded since the last call, oldest first, with those of
+        waiting senders the tracker has recorded since."""
+        self._settle_waiting()
         observations: list[Observation] = []
         batches = self._batches
         while batches:
@@ -347,11 +431,9 @@ class SpanReceiver:
         return observations
 
     def app(self) -> web.Application:
-        """The aiohttp application serving `POST /v1/traces`.
-
-        Run it with `auto_decompress=False`, as `serve` does: the handler inflates gzip
-        itself, so that the size cap holds while inflating.
-        """
+        """The aiohttp application serving `POST /v1/traces`; serve it with
+        `omni_watchdog.serving.Listener`, which leaves gzip to the handler so that the size
+        cap holds while inflating."""
         app = web.Application(
             middlewares=[self._count_status], client_max_size=self._config.max_body_bytes
         )
@@ -369,18 +451,19 @@ class SpanReceiver:
             app.on_cleanup.append(stop_forwarder)
         return app
 
-    async def serve(self, host: str, port: int) -> None:
-        """Listen on host:port (0 picks a free port, then read `bound_port`)."""
-        self._runner = web.AppRunner(self.app(), auto_decompress=False)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
-        self.bound_port = int(self._runner.addresses[0][1])
-
-    async def close(self) -> None:
-        """Stop listening and stop the forwarder."""
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+    def check_authorized(self, authorization: str | None) -> None:
+        """Refuse (401) an export without the configured bearer token."""
+        if self._token is None:
+            return
+        scheme, _, presented = (authorization or "").partition(" ")
+        try:
+            presented_bytes = presented.strip().encode()
+        except UnicodeEncodeError:  # undecodable header bytes: never the token
+            presented_bytes = b""
+        # Constant time, so the token cannot be guessed a byte at a time from answer delays.
+        matches = hmac.compare_digest(presented_bytes, self._token)
+        if scheme.lower() != "bearer" or not matches:
+            raise OtlpError(401, "unauthorized", "missing or wrong bearer token")
 
     def check_acceptable(self, media_type: str, content_encoding: str) -> None:
         """Refuse what will not be decoded before reading a byte of the body."""
@@ -415,26 +498,28 @@ class SpanReceiver:
         else:
             wanted = _WANTED_KEYS
         observations: list[Observation] = []
-        accepted, rejected = self._map(request, wanted, observations)
+        well_formed, malformed = self._map(request, wanted, observations)
         if observations:
             self._batches.append(observations)
-        self._accepted += accepted
-        self._rejected["malformed_id"] += rejected
-        if self._forwarder is not None and accepted:
+        self._rejected["malformed_id"] += malformed
+        # Upstream gets all the server's spans, not only those that are evidence here.
+        if self._forwarder is not None and well_formed:
             self._forwarder.submit(raw, media_type, content_encoding)
-        if not rejected:
-            return IngestResult(accepted, 0)
+        if not malformed:
+            return IngestResult(well_formed, 0)
         return IngestResult(
-            accepted,
-            rejected,
-            f"{rejected} span(s) rejected: a trace id must be 16 bytes and a span id 8 bytes, "
+            well_formed,
+            malformed,
+            f"{malformed} span(s) rejected: a trace id must be 16 bytes and a span id 8 bytes, "
             "not all zero",
         )
 
     def _map(
         self, request: Any, wanted: frozenset[str], observations: list[Observation]
     ) -> tuple[int, int]:
-        """File every valid span in the store and append its observations; (accepted, rejected).
+        """File every valid span in the store and append its observations; (well-formed,
+        malformed). A span refused for its sender or stage is well-formed, so the exporter
+        is not told to fix it: it is counted under its own reason instead.
 
         Of span attributes only the `wanted` keys are read here; records read the rest later.
         """
@@ -442,16 +527,25 @@ class SpanReceiver:
         wanted_count = len(wanted)
         single_key = wanted_count == 1
         hint = 0
-        store = self.store
         stage_ref = self._stage_ref
-        accepted = rejected = 0
-        beating: set[StageRef] = set()
+        senders = self._senders
+        known: dict[StageRef, bool] = {}
+        mapped: dict[StageRef, bool] = {}
+        well_formed = malformed = 0
         for resource_spans in request.resource_spans:
-            resource = self._resource(resource_spans)
+            resource, trust = self._resource(resource_spans)
+            if trust is _Trust.FOREIGN:
+                count = sum(len(scope.spans) for scope in resource_spans.scope_spans)
+                self._rejected["unknown_sender"] += count
+                well_formed += count
+                continue
             resource_stage = resource.stage
             resource_id = resource.attributes.get(STAGE_ID)
-            ring_stage = resource_stage
-            ring = store.ring(ring_stage)
+            # What the resource's spans give, held back while its sender is unrecorded.
+            gathered = [] if trust is _Trust.UNRECORDED else observations
+            kept: list[tuple[StageRef | None, bytes]] = []
+            beating: set[StageRef] = set()
+            counted = 0
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     trace_id = span.trace_id
@@ -462,9 +556,9 @@ class SpanReceiver:
                         or trace_id == _ZERO_TRACE_ID
                         or span_id == _ZERO_SPAN_ID
                     ):
-                        rejected += 1
+                        malformed += 1
                         continue
-                    accepted += 1
+                    well_formed += 1
                     key_values = span.attributes
                     found = _NOTHING
                     if wanted and key_values:
@@ -493,40 +587,102 @@ class SpanReceiver:
                     name = span.name
                     if stage is None and name == VLLM_REQUEST_SPAN:
                         stage = VLLM_DEFAULT_STAGE
-                    if stage is not ring_stage:
-                        ring_stage = stage
-                        ring = store.ring(stage)
-                    ring.append((span, resource, stage))
+                    if stage is not None and not _asked(senders.knows, stage, known):
+                        self._rejected["unknown_stage"] += 1
+                        continue
+                    if trust is _Trust.ANONYMOUS and (
+                        stage is None
+                        or name != VLLM_REQUEST_SPAN
+                        or not _asked(senders.maps, stage, mapped)
+                    ):
+                        # No start time: such a span may show a mapped stage's progress,
+                        # never a process's liveness or the requests it owes.
+                        self._rejected["unknown_sender"] += 1
+                        continue
+                    counted += 1
+                    data = span.SerializeToString()
+                    if len(data) > MAX_SPAN_BYTES:
+                        data = compact_span(span)
+                    kept.append((stage, data))
                     if name == HEARTBEAT_SPAN:
                         # Heartbeats of one stage in one body say the same thing at `now`.
                         if stage is not None and stage not in beating:
                             beating.add(stage)
-                            observations.append(
+                            gathered.append(
                                 Observation(ObservationKind.HEARTBEAT, now, stage=stage)
                             )
                     elif name in _STAGE_SPAN_NAMES:
                         if stage is not None:
-                            observations.append(_stage_span(span, stage, found, now))
+                            gathered.append(_stage_span(span, stage, found, now))
                     elif name == ADMITTED_SPAN:
-                        observations.append(
+                        gathered.append(
                             Observation(
                                 ObservationKind.REQUEST_ADMITTED,
                                 now,
                                 stage=stage,
-                                request_id=str(found.get(REQUEST_ID, "")),
+                                request_id=_request_id(found, REQUEST_ID),
                                 path=_stage_path(found.get(STAGE_PATH)),
                             )
                         )
                     elif name == ABANDONED_SPAN:
-                        observations.append(
+                        gathered.append(
                             Observation(
                                 ObservationKind.REQUEST_ABANDONED,
                                 now,
                                 stage=stage,
-                                request_id=str(found.get(REQUEST_ID, "")),
+                                request_id=_request_id(found, REQUEST_ID),
                             )
                         )
-        return accepted, rejected
+            if trust is _Trust.UNRECORDED and counted:
+                self._wait(now, resource, counted, gathered, kept)
+            elif counted:
+                self._keep(resource, kept)
+        return well_formed, malformed
+
+    def _keep(self, resource: ResourceInfo, kept: list[tuple[StageRef | None, bytes]]) -> None:
+        """File one resource's spans, and learn its pid's stage: its sender is the target's."""
+        self._accepted += len(kept)
+        store = self.store
+        for stage, data in kept:
+            store.ring(stage).append((data, resource, stage))
+        if resource.pid is not None and resource.stage is not None:
+            store.learn_pid(resource.pid, resource.stage, resource.process_kind)
+
+    def _wait(
+        self,
+        now: float,
+        resource: ResourceInfo,
+        count: int,
+        observations: list[Observation],
+        kept: list[tuple[StageRef | None, bytes]],
+    ) -> None:
+        if self._waiting_spans + count > MAX_WAITING_SPANS:
+            self._rejected["unknown_sender"] += count
+            return
+        assert resource.pid is not None and resource.start_ticks is not None
+        self._waiting.append(
+            _Waiting(now, resource.pid, resource.start_ticks, count, observations, kept, resource)
+        )
+        self._waiting_spans += count
+
+    def _settle_waiting(self) -> None:
+        """Release the spans of senders recorded since; refuse those past their grace."""
+        if not self._waiting:
+            return
+        now = self._clock.monotonic()
+        still: deque[_Waiting] = deque()
+        for waiting in self._waiting:
+            if self._senders.owns(waiting.pid, waiting.start_ticks):
+                self._keep(waiting.resource, waiting.kept)
+                if waiting.observations:
+                    self._batches.append(waiting.observations)
+            elif now - waiting.received > self._sender_grace:
+                self._rejected["unknown_sender"] += waiting.count
+            else:
+                still.append(waiting)
+                continue
+            self._waiting_spans -= waiting.count
+        self._waiting = still
 
     def _stage_ref(self, stage_id: object, replica: object) -> StageRef | None:
         """The stage these attribute values name, one shared object per stage."""
@@ -538,20 +694,29 @@ class SpanReceiver:
         except TypeError:  # an unhashable value (a list) names no stage anyway
             return stage_of({STAGE_ID: stage_id, STAGE_REPLICA: replica})
         stage = stage_of({STAGE_ID: stage_id, STAGE_REPLICA: replica})
+        if not (_cacheable(stage_id) and _cacheable(replica)):
+            return stage
         if len(self._stage_refs) >= _STAGE_CACHE_SIZE:
             self._stage_refs.clear()
         self._stage_refs[key] = stage
         return stage
 
-    def _resource(self, resource_spans: Any) -> ResourceInfo:
+    def _resource(self, resource_spans: Any) -> tuple[ResourceInfo, _Trust]:
         if not resource_spans.HasField("resource"):
-            return EMPTY_RESOURCE
-        attributes = flat_attributes(resource_spans.resource.attributes)
+            return EMPTY_RESOURCE, self._trust(EMPTY_RESOURCE)
+        attributes = bounded_attributes(resource_spans.resource.attributes)
         stage = self._stage_ref(attributes.get(STAGE_ID), attributes.get(STAGE_REPLICA))
         resource = ResourceInfo.from_attributes(attributes, stage)
-        if resource.pid is not None and stage is not None:
-            self.store.learn_pid(resource.pid, stage, resource.process_kind)
-        return resource
+        return resource, self._trust(resource)
+
+    def _trust(self, resource: ResourceInfo) -> _Trust:
+        if resource.boot_id and self._boot_id and resource.boot_id != self._boot_id:
+            return _Trust.FOREIGN
+        if self._senders.owns(resource.pid, resource.start_ticks):
+            return _Trust.TARGET
+        if resource.pid is not None and resource.start_ticks is not None:
+            return _Trust.UNRECORDED
+        return _Trust.ANONYMOUS
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body, refused (413) as soon as it passes the configured cap."""
@@ -567,12 +732,22 @@ class SpanReceiver:
             parts.append(chunk)
         return b"".join(parts)
 
+    async def _read_body_in_time(self, request: web.Request) -> bytes:
+        timeout = self._config.body_timeout
+        try:
+            return await asyncio.wait_for(self._read_body(request), timeout)
+        except asyncio.TimeoutError:
+            raise OtlpError(
+                408, "body_timeout", f"the body did not arrive within {timeout:g}s"
+            ) from None
+
     async def _handle_traces(self, request: web.Request) -> web.Response:
         media_type = request.content_type
         encoding = request.headers.get("Content-Encoding", "").strip().lower()
         try:
+            self.check_authorized(request.headers.get("Authorization"))
             self.check_acceptable(media_type, encoding)
-            result = self.ingest(await self._read_body(request), media_type, encoding)
+            result = self.ingest(await self._read_body_in_time(request), media_type, encoding)
         except OtlpError as error:
             self._rejected[error.reason] += 1
             return self._error_response(error, media_type)

@@ -10,6 +10,7 @@ import pytest
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector import Detector, DetectorReport
+from omni_watchdog.detector.core import MAX_EXTRA_STAGES, MAX_PROCESSES_PER_STAGE
 from omni_watchdog.detector.expectations import EARLY_SPANS_PER_REQUEST, PendingRequests
 from omni_watchdog.types import (
     EvidenceKind,
@@ -54,6 +55,8 @@ class World:
     cpu_moving: bool = True
     canary: HealthOutcome | None = None
     tokens: dict[StageRef, float] = field(default_factory=dict)
+    # Stage spans each second, as a forger could send them for any stage.
+    spans: set[StageRef] = field(default_factory=set)
 
     def tick(self, now: float, second: int) -> list[Observation]:
         out: list[Observation] = [
@@ -74,6 +77,8 @@ class World:
             out.append(Observation(ObservationKind.PROCESS, now, process=info, outcome=outcome))
         if self.canary is not None:
             out.append(Observation(ObservationKind.CANARY, now, outcome=self.canary.value))
+        for ref in self.spans:
+            out.append(Observation(ObservationKind.STAGE_SPAN, now, ref, 0.1, "ok"))
         return out
 
 
@@ -536,3 +541,145 @@ def test_clean_stop_is_not_a_crash() -> None:
     )
     exit_ = detector.evaluate(now + 0.5).target_exit
     assert exit_ is not None and not exit_.crashed
+
+
+def stop_engine(stage: StageRef) -> Callable[[World], None]:
+    def action(world: World) -> None:
+        world.engines[stage] = ProcessStatus.STOPPED
+        world.canary = HealthOutcome.TIMEOUT
+
+    return action
+
+
+def flatten(stage: StageRef) -> Callable[[World], None]:
+    def action(world: World) -> None:
+        world.progressing.discard(stage)
+        world.canary = HealthOutcome.TIMEOUT
+
+    return action
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "change", "expected"),
+    [
+        (
+            "a stopped engine under forged heartbeats and spans",
+            World(engines={S1: ProcessStatus.SLEEPING}, spans={S1}),
+            after(10, stop_engine(S1)),
+            {StageState.STALLED},
+        ),
+        (
+            "counters flat with work queued under forged heartbeats and spans",
+            World(progressing={S1}, load={S1: 2.0}, spans={S1}),
+            after(10, flatten(S1)),
+            {StageState.STALLED},
+        ),
+        (
+            "slow but alive: counters still moving with work queued",
+            World(progressing={S1}, load={S1: 2.0}, spans={S1}),
+            after(10, lambda world: setattr(world, "canary", HealthOutcome.TIMEOUT)),
+            {StageState.HEALTHY, StageState.DEGRADED},
+        ),
+    ],
+)
+def test_spans_never_outweigh_the_world(
+    name: str, world: World, change: Callable[[World, int], None], expected: set[StageState]
+) -> None:
+    reports = run(THREE_STAGES, world, 30, change)
+    assert state_of(reports[-1], S1) in expected, name
+    # A neighbour that beats and has nothing queued is not blamed.
+    assert state_of(reports[-1], S0) in (StageState.HEALTHY, StageState.DEGRADED)
+
+
+def test_a_stopped_engine_is_stalled_within_seconds_whatever_its_heartbeats() -> None:
+    world = World(engines={S1: ProcessStatus.SLEEPING}, spans={S1})
+    found = first_verdict(run(THREE_STAGES, world, 30, after(10, stop_engine(S1))))
+    assert found is not None
+    second, verdict = found
+    assert (verdict.stage, verdict.state) == (S1, StageState.STALLED)
+    # stuck_timeout (2 s) plus the canary's failure, not confirm_timeout (10 s).
+    assert second <= 10 + CONFIG.stuck_timeout + 2
+
+
+BROKEN_AT_ATTACH = DetectionConfig(startup_timeout=30.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "change", "earliest", "latest", "state"),
+    [
+        (
+            "/health 503 since attach: judged once startup_timeout has passed",
+            World(health=HealthOutcome.UNHEALTHY, heartbeats=set(), canary=HealthOutcome.ERROR),
+            None,
+            30,
+            31,
+            StageState.STALLED,
+        ),
+        (
+            "a recorded stage process exits: judged at once",
+            World(
+                health=HealthOutcome.UNHEALTHY,
+                heartbeats={S0, S2},
+                engines={S1: ProcessStatus.SLEEPING},
+            ),
+            after(3, lambda world: world.engines.update({S1: ProcessStatus.EXITED})),
+            3,
+            4,
+            StageState.DEAD,
+        ),
+    ],
+)
+def test_a_target_broken_at_attach_is_judged(
+    name: str,
+    world: World,
+    change: Callable[[World, int], None] | None,
+    earliest: int,
+    latest: int,
+    state: StageState,
+) -> None:
+    reports = run(THREE_STAGES, world, 40, change, BROKEN_AT_ATTACH)
+    assert not any(r.warmed_up for r in reports[:earliest]), name
+    found = first_verdict(reports)
+    assert found is not None, name
+    second, verdict = found
+    assert earliest <= second <= latest, name
+    assert verdict.state is state, name
+
+
+def test_a_slow_start_is_not_judged_before_startup_timeout() -> None:
+    world = World(health=HealthOutcome.TIMEOUT, heartbeats=set(), canary=HealthOutcome.TIMEOUT)
+    reports = run(THREE_STAGES, world, 100, config=DetectionConfig(startup_timeout=120.0))
+    assert [r.verdicts for r in reports if r.verdicts] == []
+    assert {state_of(reports[-1], ref) for ref in (S0, S1, S2)} == {StageState.STARTING}
+
+
+def test_stage_replicas_beyond_the_topology_are_bounded() -> None:
+    detector = Detector(CONFIG, ONE_STAGE, 0.0)
+    detector.observe(
+        Observation(
+            ObservationKind.PROCESS,
+            1.0,
+            process=process(
+                1000 + n, StageRef(n % 500, n // 500), ProcessRole.ENGINE, ProcessStatus.SLEEPING
+            ),
+            outcome="sleeping",
+        )
+        for n in range(5000)
+    )
+    report = detector.evaluate(2.0)
+    assert len(report.statuses) == 1 + MAX_EXTRA_STAGES
+
+
+def test_processes_per_stage_are_bounded() -> None:
+    detector = Detector(CONFIG, ONE_STAGE, 0.0)
+    detector.observe(
+        Observation(
+            ObservationKind.PROCESS,
+            1.0,
+            process=process(1000 + n, S0, ProcessRole.WORKER, ProcessStatus.SLEEPING),
+            outcome="sleeping",
+        )
+        for n in range(5 * MAX_PROCESSES_PER_STAGE)
+    )
+    detector.observe([Observation(ObservationKind.HEARTBEAT, 1.5, S0)])
+    assert len(detector._stages[S0].processes) == MAX_PROCESSES_PER_STAGE

@@ -104,7 +104,7 @@ def test_every_family_of_the_contract_is_present(watchdog: FakeWatchdog) -> None
     # The parser names counters without their _total suffix.
     expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
     assert names == expected
-    assert len(FAMILY_NAMES) == 30
+    assert len(FAMILY_NAMES) == 35
 
 
 def test_content_type_is_the_text_format() -> None:

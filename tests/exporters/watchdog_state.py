@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omni_watchdog.app import ProbeHealth, Watchdog
+from omni_watchdog.app import INTERNAL_ERROR_LOOPS, ProbeHealth, Watchdog
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import WatchdogConfig
 from omni_watchdog.detector import Detector, DetectorReport
 from omni_watchdog.exporters.prometheus import MetricsExposition, WatchdogStats
+from omni_watchdog.policy.core import LockStatus
+from omni_watchdog.policy.incidents import StateWriteErrors
 from omni_watchdog.probes.spans import REJECTION_REASONS, RESPONSE_STATUSES, ReceiverStats
+from omni_watchdog.serving import Listener
 from omni_watchdog.types import (
     HealthOutcome,
     Incident,
@@ -67,9 +70,13 @@ class FakePolicy:
     busy: bool = False
     remaining: int = 2
     budget_exhausted_total: int = 1
+    lock_conflict: str = "held by another watchdog (pid 7)"
 
     def budget_remaining(self) -> int:
         return self.remaining
+
+    def lock_status(self) -> LockStatus:
+        return LockStatus(False, self.lock_conflict, None)
 
 
 @dataclass
@@ -87,12 +94,20 @@ class FakeWatchdog:
     probe_health: dict[str, ProbeHealth] = field(default_factory=dict)
     last_report: DetectorReport | None = None
     last_health: Observation | None = None
+    internal_errors: dict[str, int] = field(
+        default_factory=lambda: {**dict.fromkeys(INTERNAL_ERROR_LOOPS, 0), "ingest": 1}
+    )
+    listeners: dict[str, Listener] = field(default_factory=dict)
+    write_errors: StateWriteErrors = field(default_factory=StateWriteErrors)
     exposition: MetricsExposition = field(init=False)
     # The real rule, over the fakes above.
     target_up = Watchdog.target_up
 
     def __post_init__(self) -> None:
         self.exposition = MetricsExposition(self, self.stats)  # type: ignore[arg-type]
+
+    def evaluation_age(self) -> float:
+        return 0.25
 
 
 def chain_topology(stages: int, first_replicas: int) -> Topology:

@@ -85,3 +85,26 @@ def test_fastapi_route(environ: dict[str, str], headers: dict[str, str], status:
         assert events.index("http.response.body") < events.index("trigger")
     else:
         assert "trigger" not in events
+
+
+async def call_aiohttp_raw(authorization: bytes) -> bytes:
+    """POST with an Authorization header of raw bytes, as no HTTP client library would."""
+    app = web.Application()
+    add_aiohttp_admin_route(app, lambda: None, environ=TOKEN)
+    async with TestServer(app, host="127.0.0.1") as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(
+            b"POST /admin/shutdown HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+            b"Authorization: " + authorization + b"\r\nConnection: close\r\n\r\n"
+        )
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+    return answer.split(b"\r\n", 1)[0]
+
+
+@pytest.mark.parametrize(
+    "authorization", [b"Bearer \xff\xfe", b"Bearer s3cret\xc3", b"\xe2\x82", b"Bearer", b""]
+)
+def test_a_malformed_authorization_header_is_401_not_500(authorization: bytes) -> None:
+    assert asyncio.run(call_aiohttp_raw(authorization)) == b"HTTP/1.1 401 Unauthorized"

@@ -1,13 +1,26 @@
-"""Which py-spy the capture step runs: the ptrace-capable copy only where it can start."""
+"""The capture step: which py-spy it runs (the ptrace-capable copy only where it can start),
+and what it writes into the bundle: private files, redacted, whatever the disk does."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import errno
+import json
+import os
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
+from fakes import FakePsutil, info
 
-from omni_watchdog.policy.capture import find_py_spy, ptrace_in_bounding_set
+from omni_watchdog.clock import FakeClock
+from omni_watchdog.policy.actuators import Actuators, SignalGuard
+from omni_watchdog.policy.capture import Capturer, find_py_spy, ptrace_in_bounding_set
+from omni_watchdog.policy.incidents import BundleWriter, StateWriteErrors
+from omni_watchdog.policy.ladder import TargetSnapshot
+from omni_watchdog.types import Incident, Mode, ProcessRole, StepOutcome, StepResult
 
 ALL_CAPABILITIES = "000001ffffffffff"
 DOCKER_DEFAULT = "00000000a80425fb"  # no CAP_SYS_PTRACE (bit 19)
@@ -76,3 +89,86 @@ def test_no_py_spy_anywhere_is_none(tools: Path) -> None:
     for tool in tools.iterdir():
         tool.unlink()
     assert find_py_spy(lambda: True) is None
+
+
+# ---- what capture writes ------------------------------------------------------------------
+
+SECRET_TITLE = "python -m vllm.entrypoints.openai.api_server --model m --api-key sk-123"
+
+
+class PySpy(Actuators):
+    """Answers every py-spy dump the way py-spy does: the command line, then the threads."""
+
+    def __init__(self) -> None:
+        super().__init__(SignalGuard(FakePsutil(), lambda identity: False, 1, 1), None)  # type: ignore[arg-type]
+
+    async def run_bounded(self, argv: list[str], timeout: float) -> tuple[int | None, str]:
+        pid = argv[-1]
+        return 0, f'Process {pid}: {SECRET_TITLE}\n\nThread {pid} (idle): "MainThread"\n'
+
+
+def capture_with(bundles: BundleWriter, session: aiohttp.ClientSession) -> Capturer:
+    return Capturer(
+        PySpy(),
+        session,
+        bundles,
+        FakeClock(),
+        1.0,
+        "http://127.0.0.1:1",
+        "/health",
+        "/metrics",
+        lambda: {"attributes": {"x.api_key": "sk-123", "gen_ai.usage.prompt_tokens": 12}},
+        dict,
+        lambda process: True,
+        "py-spy",
+    )
+
+
+def capture_of(bundles: BundleWriter) -> StepResult:
+    server = dataclasses.replace(info(101, 100, ProcessRole.API), title=SECRET_TITLE)
+    snapshot = TargetSnapshot("http://127.0.0.1:1", server.identity, (server,), None)
+    incident = Incident("20260101T000000Z-abcdef", snapshot.target, Mode.ENFORCE, 0.0, "stalled")
+
+    async def scenario() -> StepResult:
+        async with aiohttp.ClientSession() as session:
+            return await capture_with(bundles, session)(incident, snapshot)
+
+    return asyncio.run(scenario())
+
+
+def test_capture_writes_private_files_without_the_servers_secrets(tmp_path: Path) -> None:
+    errors = StateWriteErrors()
+    bundles = BundleWriter(tmp_path / "incidents", errors)
+    result = capture_of(bundles)
+    assert result.outcome is StepOutcome.OK and result.targets == (101,)
+    files = {p.name: p for p in bundles.files("20260101T000000Z-abcdef")}
+    assert sorted(files) == [
+        "101.txt",
+        "gpu.json",
+        "health.txt",
+        "metrics.txt",
+        "processes.json",
+        "spans.json",
+    ]
+    assert all("sk-123" not in p.read_text() for p in files.values())
+    assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in files.values())
+    (process,) = json.loads(files["processes.json"].read_text())
+    assert process["title"].endswith("--model m --api-key ***")
+    stack = files["101.txt"].read_text()
+    assert stack.startswith("# pid 101 python -m vllm.entrypoints.openai.api_server")
+    assert "Process 101: python" in stack and "--api-key ***" in stack
+    spans = json.loads(files["spans.json"].read_text())
+    assert spans == {"attributes": {"x.api_key": "***", "gen_ai.usage.prompt_tokens": 12}}
+    assert errors.total == 0
+
+
+def test_a_full_disk_is_counted_and_does_not_fail_the_capture(tmp_path: Path) -> None:
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    errors = StateWriteErrors()
+    result = capture_of(BundleWriter(tmp_path / "incidents", errors, full))
+    assert result.outcome is StepOutcome.OK
+    assert "stacks of 1/1 live processes" in result.detail
+    # processes, spans, gpu, one stack, /health and /metrics
+    assert errors.total == 6

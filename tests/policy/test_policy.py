@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
+import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -15,12 +19,16 @@ from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import LadderConfig
 from omni_watchdog.detector import DetectorReport
 from omni_watchdog.policy.actuators import Actuators, SignalGuard, is_alive
-from omni_watchdog.policy.core import Policy
+from omni_watchdog.policy.core import LockStatus, Policy
 from omni_watchdog.policy.incidents import (
     BundleWriter,
     EnforcementBudget,
     IncidentJournal,
+    JournalEntry,
+    StateWriteErrors,
     TargetLock,
+    append_private,
+    replace_private,
 )
 from omni_watchdog.policy.ladder import (
     GpuReading,
@@ -68,6 +76,9 @@ class Rig:
         self.tmp_path = tmp_path
         self.mode = mode
         self.budget = budget
+        self.write_errors = StateWriteErrors()
+        self.internal_errors: list[tuple[str, Exception]] = []
+        self.disk: Callable[[Path, bytes], None] | None = None
 
     def process(self, pid: int, pgid: int, role: ProcessRole, **kwargs) -> ProcessInfo:
         entry = info(pid, pgid, role, kwargs.pop("recorded_time", 100.0))
@@ -130,12 +141,17 @@ class Rig:
         return Policy(
             self.mode,
             runner,
-            IncidentJournal(self.tmp_path / "journal.jsonl"),
+            IncidentJournal(
+                self.tmp_path / "journal.jsonl", self.write_errors, self.disk or append_private
+            ),
             EnforcementBudget(self.budget),
             TargetLock(lock_dir or self.tmp_path / "locks"),
-            BundleWriter(self.tmp_path / "incidents"),
+            BundleWriter(
+                self.tmp_path / "incidents", self.write_errors, self.disk or replace_private
+            ),
             self.clock,
             self.alive,
+            lambda loop, error: self.internal_errors.append((loop, error)),
         )
 
 
@@ -312,8 +328,12 @@ def test_enforcement_budget_per_hour(tmp_path: Path, fake_psutil: FakePsutil) ->
     assert third.mode is Mode.ENFORCE
 
 
+@pytest.mark.parametrize(
+    ("memory_drops", "outcome"),
+    [(True, IncidentOutcome.RECOVERED_BY_KILL), (False, IncidentOutcome.LEAKED)],
+)
 def test_restarted_watchdog_resumes_the_open_incident(
-    tmp_path: Path, fake_psutil: FakePsutil
+    tmp_path: Path, fake_psutil: FakePsutil, memory_drops: bool, outcome: IncidentOutcome
 ) -> None:
     rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
     the_0_11_tree(rig, ignores={TERM})
@@ -331,25 +351,51 @@ def test_restarted_watchdog_resumes_the_open_incident(
             StepResult(StepName.SHUTDOWN, StepOutcome.UNREACHABLE, 1.0, 0.1),
         ),
     )
-    IncidentJournal(tmp_path / "journal.jsonl").record(
-        half_done, snapshot.root, snapshot.identities, snapshot.pgids()
+    IncidentJournal(tmp_path / "journal.jsonl", StateWriteErrors()).record(
+        half_done, snapshot.root, snapshot.identities, snapshot.pgids(), snapshot.gpu_baseline
     )
+    # The restarted watchdog has recorded nothing of its own: it adopts the journal's.
+    before_restart = tuple(rig.processes)
+    rig.processes.clear()
+    if not memory_drops:
+
+        async def stuck_gpu() -> GpuReading:
+            return GpuReading({0: 1e9 + 7.5e9}, {})
+
+        rig.read_gpu = stuck_gpu  # type: ignore[method-assign]
+    entries: list[JournalEntry] = []
+
+    async def adopt(entry: JournalEntry) -> TargetSnapshot:
+        entries.append(entry)
+        adopted = tuple(p for p in before_restart if p.identity in entry.processes)
+        rig.processes.extend(adopted)
+        return TargetSnapshot(snapshot.target, entry.root, adopted, entry.gpu_baseline)
 
     async def scenario() -> Incident:
         async with aiohttp.ClientSession() as session:
             policy = rig.policy(session)
-            policy.resume(lambda root, identities: snapshot)
+            await policy.resume(adopt)
             assert policy.busy
             await policy.wait_idle()
             return policy.incidents()[0]
 
     resumed = asyncio.run(scenario())
+    (entry,) = entries
+    assert entry.root == snapshot.root and entry.pgids == (100,)
+    assert entry.processes == snapshot.identities
+    assert entry.gpu_baseline == {0: 1e9}
     assert rig.captures == 0
     steps = [s.step for s in resumed.steps]
     assert steps.count(StepName.CAPTURE) == 1 and steps.count(StepName.SHUTDOWN) == 1
-    assert resumed.outcome is IncidentOutcome.RECOVERED_BY_KILL
-    replayed = IncidentJournal(tmp_path / "journal.jsonl").replay()
-    assert len(replayed) == 1 and replayed[0].incident.outcome is IncidentOutcome.RECOVERED_BY_KILL
+    # The root's own group, not refused as "not a recorded process of the target".
+    assert step_detail(resumed, StepName.TERMINATE).startswith("SIGTERM: process group 100 sent")
+    assert ("killpg", 100, TERM) in fake_psutil.signals
+    assert resumed.outcome is outcome
+    verify = step_detail(resumed, StepName.VERIFY)
+    assert ("back to baseline" in verify) is memory_drops
+    assert ("devices over baseline: [0]" in verify) is not memory_drops
+    replayed = IncidentJournal(tmp_path / "journal.jsonl", StateWriteErrors()).replay()
+    assert len(replayed) == 1 and replayed[0].incident.outcome is outcome
 
 
 def test_a_second_watchdog_on_the_same_target_does_not_act(
@@ -364,8 +410,213 @@ def test_a_second_watchdog_on_the_same_target_does_not_act(
     finally:
         other.release()
     assert incident is not None and incident.mode is Mode.OBSERVE
-    assert "lock" in incident.cause
+    holder = f"held by another watchdog (pid {os.getpid()})"
+    assert f"no target lock ({holder}): observing only" in incident.cause
     assert fake_psutil.signals == []
+
+
+def test_the_lock_is_taken_on_attach_so_a_second_watchdog_stands_by_at_once(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    root = rig.snapshot().root
+    assert root is not None
+
+    async def scenario() -> tuple[LockStatus, LockStatus, Incident, LockStatus]:
+        async with aiohttp.ClientSession() as session:
+            first, second = rig.policy(session), rig.policy(session)
+            first.on_attach(root)
+            second.on_attach(root)
+            holding, standing_by = first.lock_status(), second.lock_status()
+            task = second.on_report(report(), rig.snapshot)
+            assert task is not None
+            observed = await task
+            await first.close()
+            second.on_attach(root)
+            return holding, standing_by, observed, second.lock_status()
+
+    holding, standing_by, observed, taken_over = asyncio.run(scenario())
+    path = str(TargetLock(tmp_path / "locks").path_for(root))
+    holder = f"held by another watchdog (pid {os.getpid()})"
+    assert holding == LockStatus(True, "", path)
+    assert standing_by == LockStatus(False, holder, path)
+    assert observed.mode is Mode.OBSERVE and f"no target lock ({holder})" in observed.cause
+    assert fake_psutil.signals == []
+    assert taken_over == LockStatus(True, "", path)
+
+
+def test_the_lock_outlives_the_incident_and_follows_the_attached_server(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    root, next_root = rig.snapshot().root, ProcessIdentity(200, 300.0)
+    assert root is not None
+    probe = TargetLock(tmp_path / "locks")
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            policy.on_attach(root)
+            task = policy.on_report(report(), rig.snapshot)
+            assert task is not None
+            await task
+            after_incident = probe.acquire(root)
+            policy.on_attach(next_root)
+            after_reattach = probe.acquire(root)
+            probe.release()
+            next_taken = probe.acquire(next_root)
+            probe.release()
+            await policy.close()
+            return after_incident, after_reattach, next_taken
+
+    assert asyncio.run(scenario()) == (False, True, False)
+
+
+def test_an_attach_during_a_climb_takes_its_lock_when_the_climb_ends(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig, ignores={TERM})
+    root, next_root = rig.snapshot().root, ProcessIdentity(200, 300.0)
+    assert root is not None
+    locks = TargetLock(tmp_path / "locks")
+
+    async def scenario() -> tuple[LockStatus, LockStatus]:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            policy.on_attach(root)
+            task = policy.on_report(report(), rig.snapshot)
+            assert task is not None
+            # The server restarted while the ladder still acts on the old one's processes.
+            policy.on_attach(next_root)
+            during = policy.lock_status()
+            await task
+            return during, policy.lock_status()
+
+    during, after = asyncio.run(scenario())
+    assert during == LockStatus(True, "", str(locks.path_for(root)))
+    assert after == LockStatus(True, "", str(locks.path_for(next_root)))
+
+
+def test_close_stops_the_climb_for_the_next_watchdog_and_releases_the_lock(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    root = rig.snapshot().root
+    assert root is not None
+
+    async def scenario() -> tuple[bool, Incident, LockStatus]:
+        capturing = asyncio.Event()
+
+        async def endless_capture(incident: Incident, snapshot: TargetSnapshot) -> StepResult:
+            capturing.set()
+            await asyncio.Event().wait()
+            raise AssertionError("never set")
+
+        rig.capture = endless_capture  # type: ignore[method-assign]
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            policy.on_attach(root)
+            task = policy.on_report(report(), rig.snapshot)
+            assert task is not None
+            await capturing.wait()
+            await policy.close()
+            return task.cancelled(), policy.incidents()[0], policy.lock_status()
+
+    cancelled, incident, status = asyncio.run(scenario())
+    assert cancelled and incident.outcome is IncidentOutcome.OPEN
+    assert status == LockStatus(False, "", None)
+    assert TargetLock(tmp_path / "locks").acquire(root)
+    (entry,) = IncidentJournal(tmp_path / "journal.jsonl", StateWriteErrors()).replay()
+    assert entry.incident.outcome is IncidentOutcome.OPEN, "the next watchdog resumes it"
+    assert fake_psutil.signals == []
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        (errno.ENOSPC, "No space left on device"),
+        (errno.EROFS, "Read-only file system"),
+        (errno.EACCES, "Permission denied"),
+        (errno.EIO, "Input/output error"),
+    ],
+)
+def test_a_failing_disk_never_holds_the_ladder_back(
+    tmp_path: Path, fake_psutil: FakePsutil, policy_events: Any, code: int, message: str
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+
+    def failing_disk(path: Path, data: bytes) -> None:
+        raise OSError(code, message, str(path))
+
+    rig.disk = failing_disk
+
+    async def scenario() -> tuple[Incident, list[Incident]]:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            task = policy.on_report(report(), rig.snapshot)
+            assert task is not None
+            return await task, policy.incidents()
+
+    incident, in_memory = asyncio.run(scenario())
+    assert incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    assert [s.step for s in incident.steps] == [
+        StepName.CAPTURE,
+        StepName.SHUTDOWN,
+        StepName.TERMINATE,
+        StepName.VERIFY,
+    ]
+    assert fake_psutil.signals == [("killpg", 100, TERM)]
+    assert in_memory == [incident] and incident.closed is not None
+    # Opened, each step, closed: every record fails in the journal and in the bundle alike.
+    assert rig.write_errors.total == 2 * (len(incident.steps) + 2)
+    assert message in rig.write_errors.last
+    failures = policy_events.named("state_write_failed")
+    assert sorted(f["writer"] for f in failures) == ["bundle", "journal"], "once each"
+    assert all(message in f["error"] and f["path"] for f in failures)
+    assert not (tmp_path / "journal.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("broken", "done_before"),
+    [
+        ("capture", []),
+        ("read_gpu", [StepName.CAPTURE, StepName.SHUTDOWN, StepName.TERMINATE]),
+    ],
+)
+def test_a_bug_in_the_climb_closes_the_incident_as_failed(
+    tmp_path: Path, fake_psutil: FakePsutil, broken: str, done_before: list[StepName]
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+
+    async def bug(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    setattr(rig, broken, bug)
+
+    async def scenario() -> tuple[Incident, bool]:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            task = policy.on_report(report(), rig.snapshot)
+            assert task is not None
+            incident = await task
+            assert policy.incidents() == [incident]
+            return incident, policy.busy
+
+    incident, busy = asyncio.run(scenario())
+    assert not busy
+    assert incident.outcome is IncidentOutcome.FAILED
+    assert incident.closed is not None and "closed" in incident.timeline
+    assert incident.cause.endswith("; internal error in the ladder: RuntimeError: boom")
+    assert [s.step for s in incident.steps] == done_before
+    assert [(loop, str(error)) for loop, error in rig.internal_errors] == [("ladder", "boom")]
+    (entry,) = IncidentJournal(tmp_path / "journal.jsonl", StateWriteErrors()).replay()
+    assert entry.incident.outcome is IncidentOutcome.FAILED
 
 
 def test_dry_run_prints_the_exact_plan_and_signals_nothing(

@@ -166,6 +166,8 @@ def fake_tracker(table: FakePsutil, pid: int | None = None, topology: Topology =
         topology=topology,
         process_groups=groups_of,
         start_time=table.start_time,
+        # The fake's start times are whole seconds: a tick is a second here.
+        start_time_of_ticks=float,
     )
 
 
@@ -304,6 +306,38 @@ def test_learned_stages_beat_titles_and_spawn_order() -> None:
         101: (ProcessRole.ENGINE, StageRef(2, 1)),
         102: (ProcessRole.ENGINE, StageRef(3)),
     }
+
+
+def test_secrets_on_a_command_line_never_reach_a_title() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve m --api-key sk-123 --hf-token=hf_abc --port 8000")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    collect(tracker)
+    assert by_pid(tracker)[100].title == "vllm serve m --api-key *** --hf-token=*** --port 8000"
+
+
+def test_spans_may_speak_only_for_live_recorded_processes_and_known_stages() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve --omni")
+    table.add(101, 100, "VLLM::StageEngineCoreProc_stage0_replica0_DP0")
+    table.add(102, 100, "VLLM::StageEngineCoreProc_stage5_replica0_DP0")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    collect(tracker)
+    started = int(by_pid(tracker)[101].create_time)
+    assert tracker.owns(101, started)
+    assert not tracker.owns(101, started + 1)  # the same pid, another process
+    assert not tracker.owns(999, started)
+    assert not tracker.owns(101, None) and not tracker.owns(None, started)
+    # Stage 1 is the topology's; stage 5 is named by a live process's title; 7 by nothing.
+    assert tracker.knows(StageRef(1)) and tracker.knows(StageRef(5))
+    assert not tracker.knows(StageRef(7)) and not tracker.knows(StageRef(0, 3))
+    assert tracker.maps(StageRef(0)) and not tracker.maps(StageRef(1))
+    del table.table[101]
+    collect(tracker)
+    assert not tracker.owns(101, started)
+    assert not tracker.maps(StageRef(0)) and tracker.knows(StageRef(0))
 
 
 def test_zombies_stopped_and_disk_sleep_are_reported() -> None:

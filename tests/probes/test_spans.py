@@ -15,8 +15,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from fakes import FakeSenders
 from google.protobuf import json_format
 from google.rpc import status_pb2
+from listening import listening
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -52,16 +54,18 @@ TALKER = StageRef(1, 0)
 
 def make_receiver(**config: Any) -> SpanReceiver:
     spans_config = SpansConfig(**config)
-    return SpanReceiver(spans_config, FakeClock(start=500.0), SpanStore(spans_config.ring_size))
+    return SpanReceiver(
+        spans_config,
+        FakeClock(start=500.0),
+        SpanStore(spans_config.ring_size),
+        senders=FakeSenders(),
+    )
 
 
 @contextlib.asynccontextmanager
 async def serving(receiver: SpanReceiver) -> AsyncIterator[str]:
-    await receiver.serve("127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{receiver.bound_port}/v1/traces"
-    finally:
-        await receiver.close()
+    async with listening(receiver.app()) as listener:
+        yield f"http://127.0.0.1:{listener.port}/v1/traces"
 
 
 def sdk_spans(resource: Mapping[str, Any] = STAGE_RESOURCE) -> list[ReadableSpan]:

@@ -17,6 +17,8 @@ from types import ModuleType
 import aiohttp
 import pytest
 from aiohttp import web
+from fakes import FakeSenders
+from listening import listening
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
@@ -65,7 +67,11 @@ def batch(
 
 def make_receiver(ring_size: int = 256, forwarder: SpanForwarder | None = None) -> SpanReceiver:
     return SpanReceiver(
-        SpansConfig(ring_size=ring_size), FakeClock(), SpanStore(ring_size), forwarder
+        SpansConfig(ring_size=ring_size),
+        FakeClock(),
+        SpanStore(ring_size),
+        forwarder,
+        senders=FakeSenders(),
     )
 
 
@@ -162,11 +168,8 @@ async def forwarding_receiver(
     async with aiohttp.ClientSession() as session:
         forwarder = SpanForwarder(session, upstream_url, queue_size=queue_size, timeout=5.0)
         receiver = make_receiver(forwarder=forwarder)
-        await receiver.serve("127.0.0.1", 0)
-        try:
-            yield receiver, forwarder, f"http://127.0.0.1:{receiver.bound_port}/v1/traces"
-        finally:
-            await receiver.close()
+        async with listening(receiver.app()) as listener:
+            yield receiver, forwarder, f"http://127.0.0.1:{listener.port}/v1/traces"
 
 
 async def post(url: str, body: bytes, headers: Mapping[str, str]) -> int:

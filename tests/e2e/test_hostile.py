@@ -1,0 +1,335 @@
+"""The watchdog must never be the outage: forged spans, invented stages, a bad disk, a
+planted lock, a server broken before the watchdog came, all against the simulated server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from e2e.harness import FAST, SIM_ENV, in_background, incident_done, warmed_up, with_fault
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+from omni_watchdog.app import Watchdog
+from omni_watchdog.clock import SystemClock
+from omni_watchdog.config import merge_layers
+from omni_watchdog.demo import (
+    SimProcess,
+    attached,
+    demo_config,
+    example_config,
+    free_port,
+    wait_for,
+)
+from omni_watchdog.exporters.api import target_health
+from omni_watchdog.policy.incidents import TargetLock, lock_dir_for
+from omni_watchdog.process_start import sender_attributes, start_time
+from omni_watchdog.types import IncidentOutcome, Mode, ProcessIdentity, StageRef, StageState
+
+pytestmark = pytest.mark.e2e
+S0, S1 = StageRef(0), StageRef(1)
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+
+
+def _value(value: object) -> AnyValue:
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    return AnyValue(string_value=str(value))
+
+
+def forged_body(sender: Mapping[str, object], stages: list[int], serial: int) -> bytes:
+    """What a forger posts: heartbeats, stage spans and admissions for `stages`."""
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    resource_spans.resource.attributes.extend(
+        KeyValue(key=key, value=_value(value)) for key, value in sender.items()
+    )
+    spans = resource_spans.scope_spans.add().spans
+    for index, stage in enumerate(stages):
+        for offset, name in enumerate(
+            ("omni.stage.loop", "omni.stage.request", "omni.request.admitted")
+        ):
+            number = serial * 100_000 + index * 3 + offset + 1
+            span = spans.add(
+                name=name,
+                trace_id=number.to_bytes(16, "big"),
+                span_id=number.to_bytes(8, "big"),
+            )
+            span.attributes.extend(
+                [
+                    KeyValue(key="omni.stage.id", value=_value(stage)),
+                    KeyValue(key="omni.request.id", value=_value(f"forged-{number}")),
+                ]
+            )
+            if name == "omni.request.admitted":
+                path = KeyValue(key="omni.request.stage_path")
+                path.value.array_value.values.extend([_value(0), _value(1)])
+                span.attributes.append(path)
+    return request.SerializeToString()
+
+
+def outsider() -> dict[str, object]:
+    """This test process: on the same host, outside the target's tree."""
+    return {"process.pid": os.getpid(), **sender_attributes(os.getpid())}
+
+
+async def forge(
+    url: str, sender: Mapping[str, object], stages: list[int], stop: asyncio.Event
+) -> int:
+    """Post forged spans every 0.2 s until `stop`; the number of bodies the receiver took."""
+    taken = 0
+    serial = 0
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            serial += 1
+            body = forged_body(sender, stages, serial)
+            async with session.post(url, data=body, headers=PROTOBUF) as response:
+                await response.read()
+                taken += response.status == 200
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+    return taken
+
+
+def traces_url(watchdog: Any) -> str:
+    return f"http://127.0.0.1:{watchdog.otlp_port}/v1/traces"
+
+
+async def metrics_series(watchdog: Any) -> int:
+    url = f"http://127.0.0.1:{watchdog.api_port}/metrics"
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        text = await response.text()
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with attached(tmp_path, [], "0.30", "enforce", FAST, None, SIM_ENV) as (
+            watchdog,
+            _,
+        ):
+            await warmed_up(watchdog)
+            series = await metrics_series(watchdog)
+            stop = asyncio.Event()
+            # Heartbeats and admissions that would each make a stage look stalled if
+            # believed: for stages the server has, and for 500 it does not.
+            forgers = [
+                asyncio.create_task(forge(traces_url(watchdog), outsider(), [0, 1], stop)),
+                asyncio.create_task(
+                    forge(traces_url(watchdog), outsider(), list(range(7, 507)), stop)
+                ),
+            ]
+            # Longer than the confirm timeout plus the overdue floor: long enough for a
+            # believed forgery to open an incident.
+            await asyncio.sleep(18)
+            stop.set()
+            assert min(await asyncio.gather(*forgers)) > 10
+            assert watchdog.policy.incidents() == []
+            assert target_health(watchdog)[0] == 200
+            rejected = watchdog.receiver.stats.spans_rejected
+            assert rejected["unknown_sender"] > 0 and rejected["unknown_stage"] > 0
+            assert watchdog.detector.in_flight(0) == 0
+            assert await metrics_series(watchdog) == series
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("fault", "forger"),
+    [
+        # A stage loop that deadlocks, heartbeats forged from outside the tree.
+        ("silent-stall", "outsider"),
+        # An engine stopped by SIGSTOP, heartbeats and spans forged in its own name (pid
+        # and start read from /proc): the stopped process outweighs them.
+        ("frozen-engine", "the stage's own process"),
+    ],
+)
+def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: str) -> None:
+    async def scenario() -> None:
+        async with attached(tmp_path, [], "0.30", "enforce", FAST, None, SIM_ENV) as (
+            watchdog,
+            server,
+        ):
+            await warmed_up(watchdog)
+            if forger == "outsider":
+                sender = outsider()
+            else:
+                engine = next(p for p in watchdog.tracker.live() if p.stage == S0)
+                sender = {"process.pid": engine.pid, **sender_attributes(engine.pid)}
+            stop = asyncio.Event()
+            forging = asyncio.create_task(forge(traces_url(watchdog), sender, [0], stop))
+            await asyncio.sleep(1)
+            await with_fault(server, {"kind": fault, "stage": 0})
+            in_background(server.url)
+            try:
+                incident = await incident_done(watchdog, 60)
+            finally:
+                stop.set()
+                await forging
+            (verdict,) = incident.verdicts
+            assert (verdict.stage, verdict.state) == (S0, StageState.STALLED), incident.cause
+            assert incident.outcome in (
+                IncidentOutcome.RECOVERED_BY_SHUTDOWN,
+                IncidentOutcome.RECOVERED_BY_TERM,
+                IncidentOutcome.RECOVERED_BY_KILL,
+            ), incident.steps
+
+    asyncio.run(scenario())
+
+
+@contextlib.asynccontextmanager
+async def server_and_watchdog(
+    workdir: Path,
+    faults: list[str],
+    overrides: Mapping[str, Any],
+    before_watchdog: Any = None,
+) -> AsyncIterator[tuple[Watchdog, SimProcess]]:
+    """A 0.30 server started first, then a watchdog attached to it in enforce mode;
+    `before_watchdog(server)` runs in between."""
+    otlp_port = free_port()
+    os.environ["OMNI_WATCHDOG_SIM_STATE"] = str(workdir / "sim-state")
+    server = SimProcess.start(
+        workdir,
+        faults,
+        "0.30",
+        env={
+            "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}/v1/traces",
+            "OMNI_WATCHDOG_ADMIN_TOKEN": "demo-token",
+            **SIM_ENV,
+        },
+    )
+    try:
+        await wait_for(lambda: server_answers(server), 60)
+        if before_watchdog is not None:
+            await before_watchdog(server)
+        layers = merge_layers(FAST, {"spans": {"otlp_listen": f"127.0.0.1:{otlp_port}"}})
+        config = demo_config(
+            workdir, server.url, example_config("0.30"), "enforce", merge_layers(layers, overrides)
+        )
+        watchdog = Watchdog(config, SystemClock())
+        await watchdog.start()
+        try:
+            yield watchdog, server
+        finally:
+            await watchdog.stop()
+    finally:
+        server.stop()
+
+
+def server_answers(server: SimProcess) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=1):
+            return True
+    except OSError as error:
+        return getattr(error, "code", None) == 503
+
+
+def test_a_server_broken_before_the_watchdog_came_gets_its_incident(tmp_path: Path) -> None:
+    async def break_stage_one(server: SimProcess) -> None:
+        in_background(server.url)
+        # Stage 0's only replica dies on the request; the server stays up answering 503 for
+        # good, and /health never answers 200 to the watchdog.
+        await wait_for(lambda: server.fault_time(), 30)
+
+    async def scenario() -> None:
+        async with server_and_watchdog(
+            tmp_path,
+            ["0:stage-dead-503"],
+            {"detection": {"startup_timeout": "5s"}},
+            break_stage_one,
+        ) as (watchdog, _):
+            incident = await incident_done(watchdog, 60)
+            assert watchdog.last_report is not None
+            assert [v.stage for v in incident.verdicts] == [S0], incident.cause
+            assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN, incident.steps
+
+    asyncio.run(scenario())
+
+
+def full_device(path: Path) -> None:
+    """A node at `path` that answers every write with ENOSPC, as /dev/full does."""
+    os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 7))
+    with pytest.raises(OSError) as raised, path.open("ab") as handle:
+        handle.write(b"x")
+        handle.flush()
+    assert raised.value.errno == errno.ENOSPC
+
+
+def test_a_full_disk_never_holds_the_ladder_back(tmp_path: Path) -> None:
+    state = tmp_path / "watchdog"
+    state.mkdir(mode=0o700)
+    full_device(state / "journal.jsonl")
+
+    async def scenario() -> None:
+        async with attached(tmp_path, ["1:stage-dead-503"], "0.30", "enforce", FAST) as (
+            watchdog,
+            server,
+        ):
+            await warmed_up(watchdog)
+            in_background(server.url)
+            incident = await incident_done(watchdog, 60)
+            assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN, incident.steps
+            assert watchdog.write_errors.total >= len(incident.steps)
+            assert "No space left" in watchdog.write_errors.last
+            url = f"http://127.0.0.1:{watchdog.api_port}"
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/metrics") as response:
+                    text = await response.text()
+                async with session.get(url + f"/v1/incidents/{incident.incident_id}") as reply:
+                    shown = await reply.json()
+            written = next(
+                line
+                for line in text.splitlines()
+                if line.startswith("omni_watchdog_state_write_errors_total ")
+            )
+            assert float(written.split()[1]) >= len(incident.steps)
+            assert 'omni_watchdog_incidents_total{outcome="recovered_by_shutdown"} 1' in text
+            assert shown["outcome"] == "recovered_by_shutdown"
+            # The bundle still went to disk, readable by its owner only.
+            bundle = Path(incident.bundle_dir)
+            assert stat.S_IMODE(bundle.stat().st_mode) == 0o700
+            files = [p for p in bundle.rglob("*") if p.is_file()]
+            assert files and {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
+
+    asyncio.run(scenario())
+
+
+def test_a_symlink_planted_at_the_lock_path_is_never_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious\n")
+
+    async def plant(server: SimProcess) -> None:
+        root = ProcessIdentity(server.process.pid, start_time(server.process.pid))
+        lock_dir = lock_dir_for(tmp_path / "watchdog", os.environ)
+        lock_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
+        TargetLock(lock_dir).path_for(root).symlink_to(victim)
+
+    async def scenario() -> None:
+        async with server_and_watchdog(tmp_path, [], {}, plant) as (watchdog, server):
+            await warmed_up(watchdog)
+            status = watchdog.policy.lock_status()
+            assert not status.held and "symbolic link" in status.conflict
+            url = f"http://127.0.0.1:{watchdog.api_port}"
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/metrics") as response:
+                    assert "omni_watchdog_target_lock_conflict 1" in await response.text()
+                async with session.get(url + "/v1/status") as response:
+                    assert "symbolic link" in (await response.json())["lock"]["conflict"]
+            await with_fault(server, {"kind": "stage-dead-503", "stage": 1})
+            in_background(server.url)
+            incident = await incident_done(watchdog, 60)
+            # Standing by: the incident is observed, nothing is signalled.
+            assert incident.mode is Mode.OBSERVE and "symbolic link" in incident.cause
+        assert victim.read_text() == "precious\n"
+
+    asyncio.run(scenario())

@@ -1,0 +1,293 @@
+"""Processes that outlive SIGKILL: reported with state and wait channel, outcome unkillable."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from fakes import FakePsutil, info
+
+from omni_watchdog.clock import FakeClock
+from omni_watchdog.config import LadderConfig
+from omni_watchdog.policy.actuators import Actuators, SignalGuard, is_alive
+from omni_watchdog.policy.inspect import ProcessCondition, read_condition
+from omni_watchdog.policy.ladder import (
+    UNKILLABLE_REPORT,
+    GpuReading,
+    LadderRunner,
+    TargetSnapshot,
+    ladder_from_config,
+)
+from omni_watchdog.types import (
+    Incident,
+    IncidentOutcome,
+    Mode,
+    ProcessIdentity,
+    ProcessInfo,
+    ProcessRole,
+    StepName,
+    StepOutcome,
+    StepResult,
+)
+
+OWN_PID, OWN_PGID = 999, 999
+TERM, KILL = int(signal.SIGTERM), int(signal.SIGKILL)
+INCIDENT_ID = "20260101T000000Z-abcdef"
+WITH_KILL = ["capture", "terminate", "kill", "verify"]
+WITHOUT_KILL = ["capture", "terminate", "verify"]
+
+
+class Rig:
+    """A ladder runner over fake processes whose SIGKILL the test decides the fate of."""
+
+    def __init__(self, fake: FakePsutil, steps: list[str]) -> None:
+        self.fake = fake
+        self.clock = FakeClock()
+        self.config = LadderConfig(steps=steps, term_grace=3.0, kill_grace=1.0, release_timeout=2.0)
+        self.processes: list[ProcessInfo] = []
+        self.reports: list[tuple[str, str, object]] = []
+        # Pids the driver holds: SIGKILL is delivered to them and changes nothing.
+        self.in_the_driver: set[int] = set()
+        # Pids whose SIGKILL the kernel refuses (another user's process).
+        self.not_permitted: set[int] = set()
+        # Pids that exit this long after SIGKILL reaches them.
+        self.exit_delay: dict[int, float] = {}
+        self._dying: dict[int, float] = {}
+        # Called after each step, as the policy would journal it.
+        self.after_step: Callable[[Incident], None] = lambda incident: None
+
+    def process(self, pid: int, pgid: int, role: ProcessRole) -> None:
+        self.fake.add(pid, pgid, ignores={TERM})
+        self.processes.append(info(pid, pgid, role))
+
+    def recorded(self, identity: ProcessIdentity) -> bool:
+        return identity in {p.identity for p in self.processes}
+
+    def alive(self, identity: ProcessIdentity) -> bool:
+        return is_alive(self.fake, identity, self.fake.start_time)
+
+    def kill(self, pid: int, sig: int) -> None:
+        if pid not in self.fake.table:
+            raise ProcessLookupError(pid)
+        if pid in self.not_permitted:
+            raise PermissionError(1, "Operation not permitted")
+        self.fake.signals.append(("kill", pid, sig))
+        self._deliver(pid, sig)
+
+    def killpg(self, pgid: int, sig: int) -> None:
+        members = [p.pid for p in self.fake.table.values() if p.pgid == pgid]
+        if not members:
+            raise ProcessLookupError(pgid)
+        if self.not_permitted & set(members):
+            raise PermissionError(1, "Operation not permitted")
+        self.fake.signals.append(("killpg", pgid, sig))
+        for pid in members:
+            self._deliver(pid, sig)
+
+    def _deliver(self, pid: int, sig: int) -> None:
+        if sig == KILL and pid in self.in_the_driver:
+            return
+        if sig == KILL and pid in self.exit_delay:
+            self._dying.setdefault(pid, self.clock.monotonic() + self.exit_delay[pid])
+        elif sig == KILL or sig not in self.fake.table[pid].ignores:
+            del self.fake.table[pid]
+
+    async def sleep(self, seconds: float) -> None:
+        await self.clock.sleep(seconds)
+        for pid, when in list(self._dying.items()):
+            if self.clock.monotonic() >= when:
+                self.fake.table.pop(pid, None)
+                del self._dying[pid]
+
+    async def read_gpu(self) -> GpuReading | None:
+        return None
+
+    async def capture(self, incident: Incident, snapshot: TargetSnapshot) -> StepResult:
+        return StepResult(StepName.CAPTURE, StepOutcome.OK, self.clock.wall(), 0.0, "captured")
+
+    def inspect(self, identity: ProcessIdentity) -> ProcessCondition:
+        return ProcessCondition(identity.pid, "disk-sleep", "nvidia_wait")
+
+    def report(self, incident_id: str, name: str, value: object) -> None:
+        self.reports.append((incident_id, name, value))
+
+    def run(self) -> Incident:
+        snapshot = TargetSnapshot(
+            "http://127.0.0.1:1",
+            self.processes[0].identity,
+            tuple(self.processes),
+            None,
+        )
+        incident = Incident(INCIDENT_ID, snapshot.target, Mode.ENFORCE, self.clock.wall(), "hang")
+
+        async def scenario() -> Incident:
+            async with aiohttp.ClientSession() as session:
+                guard = SignalGuard(
+                    self.fake,
+                    self.recorded,
+                    OWN_PID,
+                    OWN_PGID,
+                    self.fake.getpgid,
+                    self.fake.start_time,
+                )
+                runner = LadderRunner(
+                    ladder_from_config(self.config),
+                    self.config,
+                    Actuators(guard, session, kill=self.kill, killpg=self.killpg),
+                    self.capture,
+                    self.read_gpu,
+                    self.alive,
+                    self.clock,
+                    "http://127.0.0.1:1/admin/shutdown",
+                    "token",
+                    sleep=self.sleep,
+                    inspect=self.inspect,
+                    report=self.report,
+                )
+                return await runner.run(incident, snapshot, self.after_step)
+
+        return asyncio.run(scenario())
+
+
+def a_server(rig: Rig) -> None:
+    """An API server and an engine in one process group."""
+    rig.process(100, 100, ProcessRole.API)
+    rig.process(103, 100, ProcessRole.ENGINE)
+
+
+def step(incident: Incident, name: StepName) -> StepResult:
+    return next(s for s in incident.steps if s.step is name)
+
+
+def test_a_process_that_outlives_sigkill_is_unkillable(fake_psutil: FakePsutil) -> None:
+    rig = Rig(fake_psutil, WITH_KILL)
+    a_server(rig)
+    rig.in_the_driver = {103}
+    incident = rig.run()
+    assert incident.outcome is IncidentOutcome.UNKILLABLE
+    assert ("kill", 103, KILL) in fake_psutil.signals and 103 in fake_psutil.table
+    assert step(incident, StepName.KILL).outcome is StepOutcome.NOT_RECOVERED
+    verify = step(incident, StepName.VERIFY)
+    assert verify.outcome is StepOutcome.FAILED
+    assert "pid 103 (engine) disk-sleep in nvidia_wait" in verify.detail
+    assert "100" not in verify.detail
+    assert rig.reports == [
+        (
+            INCIDENT_ID,
+            UNKILLABLE_REPORT,
+            [
+                {
+                    "pid": 103,
+                    "create_time": 100.0,
+                    "title": "engine",
+                    "state": "disk-sleep",
+                    "wait_channel": "nvidia_wait",
+                }
+            ],
+        )
+    ]
+
+
+def test_a_report_that_cannot_be_written_does_not_stop_the_incident(
+    fake_psutil: FakePsutil,
+) -> None:
+    rig = Rig(fake_psutil, WITH_KILL)
+    a_server(rig)
+    rig.in_the_driver = {103}
+
+    def disk_full(incident_id: str, name: str, value: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    rig.report = disk_full  # type: ignore[method-assign]
+    incident = rig.run()
+    assert incident.outcome is IncidentOutcome.UNKILLABLE
+    assert "unkillable.json not written" in step(incident, StepName.VERIFY).detail
+
+
+@pytest.mark.parametrize(
+    ("steps", "in_the_driver", "not_permitted", "exit_delay", "outcome", "kill"),
+    [
+        # SIGKILL works: the engine dies within the kill step's grace.
+        (WITH_KILL, set(), set(), {}, IncidentOutcome.RECOVERED_BY_KILL, StepOutcome.RECOVERED),
+        # The driver lets go a moment after the grace: still the kill step's doing.
+        (
+            WITH_KILL,
+            set(),
+            set(),
+            {103: 1.5},
+            IncidentOutcome.RECOVERED_BY_KILL,
+            StepOutcome.NOT_RECOVERED,
+        ),
+        # No kill step configured: a survivor of SIGTERM is a failure, not unkillable.
+        (WITHOUT_KILL, {103}, set(), {}, IncidentOutcome.FAILED, None),
+        # SIGKILL never reached it: the kernel refused, so nothing shows it unkillable.
+        (WITH_KILL, set(), {103}, {}, IncidentOutcome.FAILED, StepOutcome.REFUSED),
+    ],
+    ids=["dies", "dies-late", "no-kill-step", "not-permitted"],
+)
+def test_outcomes_other_than_unkillable(
+    fake_psutil: FakePsutil,
+    steps: list[str],
+    in_the_driver: set[int],
+    not_permitted: set[int],
+    exit_delay: dict[int, float],
+    outcome: IncidentOutcome,
+    kill: StepOutcome | None,
+) -> None:
+    rig = Rig(fake_psutil, steps)
+    a_server(rig)
+    rig.in_the_driver = in_the_driver
+    rig.not_permitted = not_permitted
+    rig.exit_delay = exit_delay
+    incident = rig.run()
+    assert incident.outcome is outcome
+    kill_step = next((s for s in incident.steps if s.step is StepName.KILL), None)
+    assert (kill_step.outcome if kill_step else None) == kill
+    assert rig.reports == []
+
+
+def test_a_kill_step_skipped_because_nothing_survived_reports_nothing(
+    fake_psutil: FakePsutil,
+) -> None:
+    rig = Rig(fake_psutil, WITH_KILL)
+    a_server(rig)
+
+    def exit_after_terminate(incident: Incident) -> None:
+        if incident.steps[-1].step is StepName.TERMINATE:
+            fake_psutil.table.clear()
+
+    rig.after_step = exit_after_terminate
+    incident = rig.run()
+    assert step(incident, StepName.KILL).outcome is StepOutcome.SKIPPED
+    assert incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    assert all(s[2] != KILL for s in fake_psutil.signals)
+    assert rig.reports == []
+
+
+@pytest.mark.parametrize(
+    ("wchan", "state", "described"),
+    [
+        ("nvidia_wait\n", "disk-sleep", "disk-sleep in nvidia_wait"),
+        ("0", "running", "running, not waiting in the kernel"),
+        (None, "disk-sleep", "disk-sleep, wait channel unreadable"),
+    ],
+)
+def test_read_condition_reads_state_and_wait_channel(
+    tmp_path: Path, fake_psutil: FakePsutil, wchan: str | None, state: str, described: str
+) -> None:
+    fake_psutil.add(103, 100).status = state
+    if wchan is not None:
+        (tmp_path / "103").mkdir()
+        (tmp_path / "103" / "wchan").write_text(wchan)
+    condition = read_condition(ProcessIdentity(103, 100.0), fake_psutil, tmp_path)  # type: ignore[arg-type]
+    assert condition.pid == 103 and condition.state == state
+    assert condition.describe() == described
+
+
+def test_read_condition_of_a_gone_process(tmp_path: Path, fake_psutil: FakePsutil) -> None:
+    condition = read_condition(ProcessIdentity(103, 100.0), fake_psutil, tmp_path)  # type: ignore[arg-type]
+    assert condition == ProcessCondition(103, "gone", "")

@@ -1,0 +1,288 @@
+"""The receiver believes only the target: senders, stages, the token, and bounded storage."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+import pytest
+from fakes import FakeSenders
+from listening import listening
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
+
+from omni_watchdog.clock import FakeClock
+from omni_watchdog.config import SpansConfig
+from omni_watchdog.probes.span_store import MAX_SPAN_BYTES, SpanStore
+from omni_watchdog.probes.spans import JSON, PROTOBUF, SpanReceiver
+from omni_watchdog.process_start import BOOT_ID_KEY, START_TICKS_KEY
+from omni_watchdog.types import ObservationKind, StageRef
+
+BOOT = "boot-of-this-host"
+STAGE_PROCESS = {"process.pid": 40, START_TICKS_KEY: 900, BOOT_ID_KEY: BOOT}
+STAGE_ONE = {"omni.stage.id": 1, "omni.stage.replica": 0}
+S0, S1 = StageRef(0), StageRef(1)
+TREE = FakeSenders(owned={(40, 900)}, stages={S0, S1}, mapped={S0, S1})
+HEARTBEAT = ("omni.stage.loop", {})
+STAGE_SPAN = ("omni.stage.request", {"omni.request.id": "r1"})
+ADMITTED = ("omni.request.admitted", {"omni.request.id": "r1", "omni.request.stage_path": [0, 1]})
+LLM_REQUEST = ("llm_request", {"gen_ai.request.id": "cmpl-1"})
+
+
+def key_value(key: str, value: Any) -> KeyValue:
+    kv = KeyValue(key=key)
+    if isinstance(value, bool):
+        kv.value.bool_value = value
+    elif isinstance(value, int):
+        kv.value.int_value = value
+    elif isinstance(value, list):
+        for item in value:
+            kv.value.array_value.values.add().int_value = item
+    else:
+        kv.value.string_value = str(value)
+    return kv
+
+
+def body(resource: Mapping[str, Any], spans: Sequence[tuple[str, Mapping[str, Any]]]) -> bytes:
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    resource_spans.resource.attributes.extend(key_value(k, v) for k, v in resource.items())
+    scope_spans = resource_spans.scope_spans.add()
+    for index, (name, attributes) in enumerate(spans, start=1):
+        span = scope_spans.spans.add(
+            name=name, trace_id=index.to_bytes(16, "big"), span_id=index.to_bytes(8, "big")
+        )
+        span.attributes.extend(key_value(k, v) for k, v in attributes.items())
+    return request.SerializeToString()
+
+
+def receiver_for(
+    senders: FakeSenders = TREE, clock: FakeClock | None = None, **config: Any
+) -> SpanReceiver:
+    spans_config = SpansConfig(**config)
+    return SpanReceiver(
+        spans_config,
+        clock or FakeClock(),
+        SpanStore(spans_config.ring_size),
+        senders=senders,
+        token=config.pop("token", "") if "token" in config else "",
+        boot_id=BOOT,
+        sender_grace=2.0,
+    )
+
+
+def taken(receiver: SpanReceiver) -> list[ObservationKind]:
+    return [obs.kind for obs in asyncio.run(receiver.collect())]
+
+
+def refused(receiver: SpanReceiver) -> dict[str, int]:
+    return {reason: n for reason, n in receiver.stats.spans_rejected.items() if n}
+
+
+@pytest.mark.parametrize(
+    ("name", "resource", "spans", "kinds", "rejected"),
+    [
+        (
+            "the target's stage process",
+            {**STAGE_PROCESS, **STAGE_ONE},
+            [HEARTBEAT, STAGE_SPAN],
+            [ObservationKind.HEARTBEAT, ObservationKind.STAGE_SPAN],
+            {},
+        ),
+        (
+            "another host's boot",
+            {**STAGE_PROCESS, **STAGE_ONE, BOOT_ID_KEY: "another-boot"},
+            [HEARTBEAT, STAGE_SPAN],
+            [],
+            {"unknown_sender": 2},
+        ),
+        (
+            "a stage the topology and the tree do not have",
+            {**STAGE_PROCESS, "omni.stage.id": 7},
+            [HEARTBEAT, STAGE_SPAN],
+            [],
+            {"unknown_stage": 2},
+        ),
+        (
+            "a span's own stage attribute names an unknown replica",
+            {**STAGE_PROCESS, **STAGE_ONE},
+            [("omni.stage.loop", {"omni.stage.id": 1, "omni.stage.replica": 9}), HEARTBEAT],
+            [ObservationKind.HEARTBEAT],
+            {"unknown_stage": 1},
+        ),
+        (
+            "no start time: heartbeats and admissions are a stranger's",
+            {"process.pid": 40, **STAGE_ONE},
+            [HEARTBEAT, ADMITTED, STAGE_SPAN],
+            [],
+            {"unknown_sender": 3},
+        ),
+        (
+            "vLLM's own llm_request of a stage the tree maps counts as progress",
+            {"vllm.process_id": "40"},
+            [LLM_REQUEST, ("Worker init", {})],
+            [ObservationKind.STAGE_SPAN],
+            {"unknown_sender": 1},
+        ),
+    ],
+)
+def test_only_the_target_speaks_for_its_stages(
+    name: str,
+    resource: Mapping[str, Any],
+    spans: list[tuple[str, Mapping[str, Any]]],
+    kinds: list[ObservationKind],
+    rejected: dict[str, int],
+) -> None:
+    receiver = receiver_for()
+    result = receiver.ingest(body(resource, spans), PROTOBUF)
+    # Refusing a span for its sender is not the exporter's fault: no partial success.
+    assert result.rejected == 0, name
+    assert taken(receiver) == kinds, name
+    assert refused(receiver) == rejected, name
+    assert receiver.stats.spans_accepted == len(kinds), name
+
+
+def test_vllm_spans_of_an_unmapped_stage_are_refused() -> None:
+    receiver = receiver_for(FakeSenders(owned=set(), stages={S0}, mapped=set()))
+    receiver.ingest(body({"vllm.process_id": "40"}, [LLM_REQUEST]), PROTOBUF)
+    assert taken(receiver) == []
+    assert refused(receiver) == {"unknown_sender": 1}
+
+
+def test_an_unrecorded_sender_waits_for_the_tracker_then_counts() -> None:
+    clock = FakeClock()
+    senders = FakeSenders(owned=set(), stages={S1}, mapped={S1})
+    receiver = receiver_for(senders, clock)
+    receiver.ingest(body({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT, STAGE_SPAN]), PROTOBUF)
+    assert taken(receiver) == []
+    assert receiver.store.recent(S1) == []
+    clock.advance(1.0)
+    senders.owned = {(40, 900)}  # the tracker's next scan records the new process
+    assert taken(receiver) == [ObservationKind.HEARTBEAT, ObservationKind.STAGE_SPAN]
+    assert [record.name for record in receiver.store.recent(S1)] == [
+        "omni.stage.loop",
+        "omni.stage.request",
+    ]
+    assert receiver.store.pid_stages() == {40: (S1, "")}
+    assert refused(receiver) == {}
+
+
+def test_a_sender_never_recorded_is_refused_after_its_grace() -> None:
+    clock = FakeClock()
+    receiver = receiver_for(FakeSenders(owned=set(), stages={S1}, mapped={S1}), clock)
+    receiver.ingest(body({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT, STAGE_SPAN]), PROTOBUF)
+    clock.advance(1.9)
+    assert taken(receiver) == []
+    assert refused(receiver) == {}
+    clock.advance(0.2)
+    assert taken(receiver) == []
+    assert refused(receiver) == {"unknown_sender": 2}
+    assert receiver.store.pid_stages() == {}
+
+
+def test_a_huge_attribute_is_cut_before_it_is_kept() -> None:
+    receiver = receiver_for()
+    huge = {"omni.request.id": "r1", "prompt": "x" * 1_000_000, "list": list(range(5000))}
+    receiver.ingest(body({**STAGE_PROCESS, **STAGE_ONE}, [("omni.stage.request", huge)]), PROTOBUF)
+    ((data, _, _),) = receiver.store.ring(S1)
+    assert len(data) <= MAX_SPAN_BYTES + 512
+    (record,) = receiver.store.recent(S1)
+    assert record.request_id == "r1"
+    assert len(str(record.attributes["prompt"])) <= 256
+
+
+def test_a_huge_resource_is_cut_before_it_is_kept() -> None:
+    receiver = receiver_for()
+    resource = {**STAGE_PROCESS, **STAGE_ONE, **{f"k{n}": "v" * 10_000 for n in range(500)}}
+    receiver.ingest(body(resource, [HEARTBEAT]), PROTOBUF)
+    ((_, kept_resource, _),) = receiver.store.ring(S1)
+    assert len(kept_resource.attributes) <= 64
+    assert max(len(str(value)) for value in kept_resource.attributes.values()) <= 256
+
+
+async def post(url: str, data: bytes, headers: Mapping[str, str]) -> int:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url, data=data, headers=dict(headers)) as response,
+    ):
+        await response.read()
+        return response.status
+
+
+async def raw_post(port: int, head: bytes, sent_body: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + sent_body)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return answer.split(b"\r\n", 1)[0]
+
+
+def test_the_token_is_required_and_checked() -> None:
+    receiver = SpanReceiver(
+        SpansConfig(), FakeClock(), SpanStore(8), senders=TREE, token="s3cret", boot_id=BOOT
+    )
+    spans = body({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT])
+    plain = {"Content-Type": PROTOBUF}
+
+    async def scenario() -> tuple[list[int], bytes]:
+        async with listening(receiver.app()) as listener:
+            url = f"http://127.0.0.1:{listener.port}/v1/traces"
+            statuses = [
+                await post(url, spans, plain),
+                await post(url, spans, {**plain, "Authorization": "Bearer wrong"}),
+                await post(url, spans, {**plain, "Authorization": "Basic s3cret"}),
+                await post(url, spans, {**plain, "Authorization": "Bearer s3cret"}),
+            ]
+            malformed = await raw_post(
+                listener.port,
+                b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer \xff\xfe\r\nContent-Length: 2\r\n"
+                b"Connection: close\r\n\r\n",
+                b"{}",
+            )
+        return statuses, malformed
+
+    statuses, malformed = asyncio.run(scenario())
+    assert statuses == [401, 401, 401, 200]
+    assert malformed == b"HTTP/1.1 401 Unauthorized"
+    assert receiver.stats.spans_rejected["unauthorized"] == 4
+    assert taken(receiver) == [ObservationKind.HEARTBEAT]
+
+
+@pytest.mark.parametrize("media_type", [PROTOBUF, JSON])
+def test_a_body_labelled_gzip_that_is_not_gzip_is_400(media_type: str) -> None:
+    receiver = receiver_for()
+
+    async def scenario() -> tuple[int, int]:
+        async with listening(receiver.app()) as listener:
+            url = f"http://127.0.0.1:{listener.port}/v1/traces"
+            headers = {"Content-Type": media_type, "Content-Encoding": "gzip"}
+            bad = await post(url, b"not gzip at all", headers)
+            good = await post(url, gzip.compress(b"{}" if media_type == JSON else b""), headers)
+        return bad, good
+
+    assert asyncio.run(scenario()) == (400, 200)
+    assert receiver.stats.spans_rejected["decode_error"] == 1
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408() -> None:
+    receiver = receiver_for(body_timeout=0.2)
+
+    async def scenario() -> bytes:
+        async with listening(receiver.app()) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            writer.write(
+                b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                b"Content-Length: 1000\r\n\r\n" + b"\x0a" * 10
+            )
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.readline(), 5.0)
+            writer.close()
+        return answer.strip()
+
+    assert asyncio.run(scenario()) == b"HTTP/1.1 408 Request Timeout"
+    assert receiver.stats.spans_rejected["body_timeout"] == 1

@@ -1,0 +1,169 @@
+"""The listeners: a connection cap that never locks real clients out, and header deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from omni_watchdog.clock import FakeClock
+from omni_watchdog.serving import Listener, ListenerLimits, RateLimitedLog
+
+DEADLINE = 5.0
+
+
+def app_with(handler: web.RequestHandler | None = None) -> web.Application:
+    async def hello(_: web.Request) -> web.Response:
+        return web.Response(text="hello")
+
+    app = web.Application()
+    app.router.add_get("/", handler or hello)
+    return app
+
+
+@asynccontextmanager
+async def listener_of(
+    app: web.Application, header_timeout: float = 10.0, max_connections: int = 8
+) -> AsyncIterator[tuple[Listener, list[None]]]:
+    errors: list[None] = []
+    listener = Listener(
+        app,
+        "api",
+        ListenerLimits(header_timeout, max_connections),
+        RateLimitedLog(lambda: errors.append(None)),
+    )
+    await listener.start("127.0.0.1", 0)
+    try:
+        yield listener, errors
+    finally:
+        await listener.close()
+
+
+async def get(port: int) -> int:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/", timeout=aiohttp.ClientTimeout(DEADLINE)) as reply,
+    ):
+        await reply.read()
+        return reply.status
+
+
+async def closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closes the connection before the deadline."""
+    try:
+        return await asyncio.wait_for(reader.read(), DEADLINE) == b""
+    except asyncio.TimeoutError:
+        return False
+
+
+def test_idle_connections_make_room_for_a_real_client() -> None:
+    async def scenario() -> tuple[int, list[bool], dict[str, int]]:
+        async with listener_of(app_with(), max_connections=3) as (listener, _):
+            assert listener.port is not None
+            idle = [await asyncio.open_connection("127.0.0.1", listener.port) for _ in range(3)]
+            await asyncio.sleep(0.1)  # let the server take all three
+            status = await get(listener.port)
+            closed = [await closed_by_server(reader) for reader, _ in idle[:1]]
+            for _, writer in idle:
+                writer.close()
+            return status, closed, dict(listener.closed)
+
+    status, closed, counts = asyncio.run(scenario())
+    assert status == 200
+    assert closed == [True]  # the oldest idle connection went first
+    assert counts["over_cap"] == 1
+
+
+def test_connections_all_busy_are_kept_and_the_new_one_refused() -> None:
+    release = asyncio.Event()
+
+    async def slow(_: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="done")
+
+    async def scenario() -> tuple[bool, list[int], int]:
+        async with listener_of(app_with(slow), max_connections=2) as (listener, _):
+            assert listener.port is not None
+            busy = [asyncio.create_task(get(listener.port)) for _ in range(2)]
+            await asyncio.sleep(0.2)
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            refused = await closed_by_server(reader)
+            writer.close()
+            release.set()
+            return refused, list(await asyncio.gather(*busy)), listener.closed["over_cap"]
+
+    refused, statuses, over_cap = asyncio.run(scenario())
+    assert refused
+    assert statuses == [200, 200]
+    assert over_cap == 1
+
+
+def test_a_slow_request_head_is_cut_off_and_counted() -> None:
+    async def scenario() -> tuple[bool, bool, dict[str, int]]:
+        async with listener_of(app_with(), header_timeout=0.3) as (listener, _):
+            assert listener.port is not None
+            slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            slow_writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # never finished
+            idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            slow = await closed_by_server(slow_reader)
+            idle = await closed_by_server(idle_reader)
+            slow_writer.close()
+            idle_writer.close()
+            return slow, idle, dict(listener.closed)
+
+    slow, idle, counts = asyncio.run(scenario())
+    assert slow and idle
+    # An idle connection going is housekeeping; a half-sent head is a refusal.
+    assert counts == {"over_cap": 0, "header_timeout": 1}
+
+
+def test_a_kept_alive_client_gets_several_answers() -> None:
+    async def scenario() -> list[int]:
+        async with listener_of(app_with(), header_timeout=1.0) as (listener, _):
+            assert listener.port is not None
+            async with aiohttp.ClientSession() as session:
+                statuses = []
+                for _ in range(3):
+                    async with session.get(f"http://127.0.0.1:{listener.port}/") as reply:
+                        statuses.append(reply.status)
+                return statuses
+
+    assert asyncio.run(scenario()) == [200, 200, 200]
+
+
+def test_a_handler_that_raises_answers_500_and_is_counted() -> None:
+    async def broken(_: web.Request) -> web.Response:
+        raise RuntimeError("a bug")
+
+    async def scenario() -> tuple[int, int, int]:
+        async with listener_of(app_with(broken)) as (listener, errors):
+            assert listener.port is not None
+            first = await get(listener.port)
+            await get(listener.port)
+            return first, len(errors), listener.open_connections
+
+    status, errors, _ = asyncio.run(scenario())
+    assert status == 500
+    assert errors == 2
+
+
+def test_the_error_log_is_rate_limited_but_every_error_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    counted: list[None] = []
+    log = RateLimitedLog(lambda: counted.append(None), interval=10.0, monotonic=clock.monotonic)
+    with caplog.at_level(logging.ERROR, logger="omni_watchdog.serving"):
+        for _ in range(30):
+            log.error("accept_failed")
+            log.error("handler_failed")
+            clock.advance(1.0)
+    assert len(counted) == 60
+    logged = [record.getMessage() for record in caplog.records]
+    assert logged.count("accept_failed") == 3
+    assert logged.count("handler_failed") == 3
