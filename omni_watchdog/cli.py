@@ -144,7 +144,13 @@ async def _run_watchdog(config: WatchdogConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    await watchdog.start()
+    try:
+        await watchdog.start()
+    except OSError as error:
+        # A port in use or an address this host does not have: one line, not a traceback.
+        await watchdog.stop()
+        print(f"omni-watchdog: cannot start: {error}", file=sys.stderr)
+        return 1
     await watchdog.run_until(stop)
     return 0
 

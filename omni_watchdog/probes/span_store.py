@@ -166,8 +166,13 @@ def as_int(value: object) -> int | None:
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
+    if isinstance(value, str):
+        digits = value.strip().removeprefix("-")
+        # ASCII digits only: str.isdigit() also takes "¹", which int() refuses. A number
+        # longer than an int64 names nothing here, and int() of it costs quadratic time.
+        if digits.isascii() and digits.isdigit() and len(digits) <= 19:
+            return int(value)
+        return None
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return None

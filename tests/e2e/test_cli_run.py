@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from e2e.harness import FAST, SIM_ENV, in_background, incident_done, warmed_up
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from omni_watchdog.demo import SimProcess, attached, example_config, free_port, wait_for
+from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.types import IncidentOutcome, StageState
 
 pytestmark = pytest.mark.e2e
@@ -109,3 +115,140 @@ def test_a_crashed_server_is_recorded_and_its_successor_attached(tmp_path: Path)
                 successor.stop()
 
     asyncio.run(scenario())
+
+
+def otlp_bodies(pid: int) -> tuple[bytes, bytes]:
+    """One heartbeat of stage 0 from process `pid`, as OTLP protobuf and as OTLP JSON."""
+    resource = {"process.pid": pid, **sender_attributes(pid)}
+    attributes = [
+        {
+            "key": key,
+            "value": {"intValue": str(value)} if isinstance(value, int) else {"stringValue": value},
+        }
+        for key, value in resource.items()
+    ]
+    span = {
+        "traceId": "0af7651916cd43dd8448eb211c80319c",
+        "spanId": "b7ad6b7169203331",
+        "name": "omni.stage.loop",
+        "attributes": [{"key": "omni.stage.id", "value": {"intValue": "0"}}],
+    }
+    document = {
+        "resourceSpans": [
+            {"resource": {"attributes": attributes}, "scopeSpans": [{"spans": [span]}]}
+        ]
+    }
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    for key, value in resource.items():
+        kv = resource_spans.resource.attributes.add(key=key)
+        if isinstance(value, int):
+            kv.value.int_value = value
+        else:
+            kv.value.string_value = value
+    proto_span = resource_spans.scope_spans.add().spans.add(
+        name="omni.stage.loop",
+        trace_id=bytes.fromhex(span["traceId"]),
+        span_id=bytes.fromhex(span["spanId"]),
+    )
+    proto_span.attributes.add(key="omni.stage.id").value.int_value = 0
+    return request.SerializeToString(), json.dumps(document).encode()
+
+
+def post(url: str, body: bytes, headers: dict[str, str]) -> int:
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+def raw_status(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        connection.sendall(request)
+        return connection.makefile("rb").readline().strip()
+
+
+def metric(text: str, series: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(series + " "))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_run_serves_otlp_as_a_collector_does(tmp_path: Path) -> None:
+    server = SimProcess.start(tmp_path, [], "0.30")
+    api, otlp = free_port(), free_port()
+    watchdog = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "omni_watchdog.cli",
+            "run",
+            *("--target", server.url, "--stage-config", str(example_config("0.30"))),
+            *("--listen", f"127.0.0.1:{api}", "--otlp-listen", f"127.0.0.1:{otlp}"),
+            *("--mode", "observe", "--gpu-backend", "none"),
+            *("--state-dir", str(tmp_path / "watchdog")),
+        ],
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMNI_WATCHDOG_OTLP_TOKEN": "s3cret"},
+    )
+    try:
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            status = get_json(f"http://127.0.0.1:{api}/v1/status")
+            if status and status["target"]["pid"] == server.process.pid:
+                break
+            time.sleep(0.25)
+        protobuf, otlp_json = otlp_bodies(server.process.pid)
+        traces = f"http://127.0.0.1:{otlp}/v1/traces"
+        token = {"Authorization": "Bearer s3cret"}
+        gzipped = {"Content-Encoding": "gzip", **token}
+        as_protobuf = {"Content-Type": "application/x-protobuf"}
+        as_json = {"Content-Type": "application/json"}
+        assert post(traces, gzip.compress(protobuf), {**as_protobuf, **gzipped}) == 200
+        assert post(traces, gzip.compress(otlp_json), {**as_json, **gzipped}) == 200
+        assert post(traces, protobuf, {**as_protobuf, **gzipped}) == 400  # not gzip at all
+        assert (
+            post(traces, gzip.compress(protobuf), {**as_protobuf, "Content-Encoding": "gzip"})
+            == 401
+        )
+        assert post(traces, protobuf, {**as_protobuf, "Authorization": "Bearer nope"}) == 401
+        malformed = raw_status(
+            otlp,
+            b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer \xff\xfe\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+        )
+        assert malformed == b"HTTP/1.1 401 Unauthorized"
+        with urllib.request.urlopen(f"http://127.0.0.1:{api}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        assert metric(text, "omni_watchdog_spans_received_total") == 2
+        assert metric(text, 'omni_watchdog_spans_rejected_total{reason="decode_error"}') == 1
+        assert metric(text, 'omni_watchdog_spans_rejected_total{reason="unauthorized"}') == 3
+        assert metric(text, 'omni_watchdog_internal_errors_total{loop="listener"}') == 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{api}/healthz", timeout=5) as response:
+            assert response.status == 200
+        watchdog.send_signal(signal.SIGTERM)
+        assert watchdog.wait(timeout=15) == 0
+    finally:
+        if watchdog.poll() is None:
+            watchdog.kill()
+            watchdog.wait()
+        server.stop()
+
+
+def test_a_receiver_off_loopback_without_a_token_refuses_to_start(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "omni_watchdog.cli",
+            "run",
+            *("--otlp-listen", f"0.0.0.0:{free_port()}", "--state-dir", str(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_WATCHDOG_")},
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "OMNI_WATCHDOG_OTLP_TOKEN" in result.stderr

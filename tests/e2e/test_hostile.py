@@ -333,3 +333,69 @@ def test_a_symlink_planted_at_the_lock_path_is_never_followed(tmp_path: Path) ->
         assert victim.read_text() == "precious\n"
 
     asyncio.run(scenario())
+
+
+async def healthz(watchdog: Any) -> int:
+    url = f"http://127.0.0.1:{watchdog.api_port}/healthz"
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status
+
+
+def test_loops_survive_their_errors_and_healthz_tells_when_judging_stops(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        async with attached(tmp_path, [], "0.30", "observe", FAST, None, SIM_ENV) as (
+            watchdog,
+            _,
+        ):
+            await warmed_up(watchdog)
+            detector = watchdog.detector
+            evaluate, observe = detector.evaluate, detector.observe
+            left = [3]
+
+            def flaky_evaluate(now: float) -> Any:
+                if left[0] > 0:
+                    left[0] -= 1
+                    raise RuntimeError("a bug in judging")
+                return evaluate(now)
+
+            def broken_observe(observations: Any) -> None:
+                raise ValueError("a bug in taking observations")
+
+            detector.evaluate, detector.observe = flaky_evaluate, broken_observe
+            await wait_for(
+                lambda: (
+                    watchdog.internal_errors["evaluate"] == 3
+                    and watchdog.internal_errors["ingest"] >= 3
+                ),
+                10,
+            )
+            detector.observe = observe
+            judged = watchdog.last_evaluation
+            # Every loop went on: judging resumes, and the watchdog says it is fine.
+            await wait_for(lambda: watchdog.last_evaluation > judged, 5)
+            assert await healthz(watchdog) == 200
+
+            def stuck(now: float) -> Any:
+                raise RuntimeError("judging is broken for good")
+
+            detector.evaluate = stuck
+            await wait_for(lambda: watchdog.evaluation_age() > 5.5, 10)
+            assert await healthz(watchdog) == 503
+            url = f"http://127.0.0.1:{watchdog.api_port}/metrics"
+            async with aiohttp.ClientSession() as session, session.get(url) as response:
+                text = await response.text()
+            age = next(
+                line
+                for line in text.splitlines()
+                if line.startswith("omni_watchdog_evaluation_age")
+            )
+            assert float(age.split()[1]) > 5
+
+    with caplog.at_level("ERROR", logger="omni_watchdog.app"):
+        asyncio.run(scenario())
+    logged = [r for r in caplog.records if r.getMessage() == "internal_error"]
+    # Each distinct error once, with its traceback; repeats are only counted.
+    assert [r.fields["error"] for r in logged].count("RuntimeError('a bug in judging')") == 1
+    assert all(r.exc_info for r in logged)

@@ -237,3 +237,18 @@ def test_the_watchdogs_endpoint_gets_the_lean_exporter(sink: Sink) -> None:
     telemetry.heartbeat()
     telemetry.shutdown(timeout_s=2.0)
     assert sink.headers_seen[0]["User-Agent"].startswith("omni-watchdog-instrument/")
+
+
+@pytest.mark.parametrize(("token", "header"), [("s3cret", "Bearer s3cret"), ("", None)])
+def test_the_receiver_token_goes_in_every_export(
+    sink: Sink, token: str, header: str | None
+) -> None:
+    telemetry = StageTelemetry.from_environment(
+        process_kind="stage",
+        stage_id=0,
+        environ={"OMNI_WATCHDOG_OTLP_ENDPOINT": sink.url, "OMNI_WATCHDOG_OTLP_TOKEN": token},
+    )
+    telemetry.heartbeat()
+    telemetry.shutdown(timeout_s=2.0)
+    assert sink.headers_seen, "the heartbeat never reached the receiver"
+    assert sink.headers_seen[0].get("Authorization") == header

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -12,6 +13,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from omni_watchdog import process_start
 from omni_watchdog.instrument.telemetry import StageTelemetry, heartbeat_interval, traces_endpoint
 from tests.instrument.kept_spans import KeptSpans
 
@@ -58,7 +60,11 @@ def test_spans_arrive_with_names_attributes_and_resource(
     assert resource["omni.stage.name"] == "talker"
     assert resource["omni.stage.replica"] == 2
     assert resource["omni.process.kind"] == "stage"
-    assert isinstance(resource["process.pid"], int)
+    assert resource["process.pid"] == os.getpid()
+    # The pid and start that name this process for life, as the watchdog's tracker reads
+    # them from /proc.
+    assert resource["omni.process.start_ticks"] == process_start.start_ticks(os.getpid())
+    assert resource["omni.host.boot_id"] == process_start.boot_id() != ""
 
 
 def test_service_name_comes_from_otel_service_name(

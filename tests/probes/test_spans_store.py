@@ -24,7 +24,7 @@ from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
-from omni_watchdog.probes.span_store import SpanStore
+from omni_watchdog.probes.span_store import SpanStore, as_int
 from omni_watchdog.probes.spans import PROTOBUF, OtlpError, SpanForwarder, SpanReceiver, gunzip
 from omni_watchdog.types import ObservationKind, StageRef
 
@@ -294,3 +294,25 @@ def test_status_message_is_the_error_detail_and_bad_paths_are_empty() -> None:
     assert (admission.request_id, admission.path, admission.stage) == ("r", (), None)
     (record,) = receiver.store.recent(StageRef(1, 0))
     assert (record.status, record.status_message) == ("error", "stage 1 timed out")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (3, 3),
+        ("3", 3),
+        (" -2 ", -2),
+        (4.0, 4),
+        ("¹", None),  # a superscript: str.isdigit() says yes, int() says no
+        ("٣", None),  # an Arabic-Indic digit
+        ("1" * 20, None),
+        ("", None),
+        ("-", None),
+        (True, None),
+        (4.5, None),
+        (float("nan"), None),
+        ([1], None),
+    ],
+)
+def test_as_int_takes_only_plain_integers(value: object, expected: int | None) -> None:
+    assert as_int(value) == expected
