@@ -184,6 +184,7 @@ class SpanForwarder:
         self._task: asyncio.Task[None] | None = None
         self.forwarded = 0
         self.dropped = 0
+        self._bug_logged = False
 
     def start(self) -> None:
         """Start the background task; call from the running event loop."""
@@ -221,6 +222,11 @@ class SpanForwarder:
                     ok = 200 <= response.status < 300
             except (aiohttp.ClientError, asyncio.TimeoutError) as error:
                 log.debug("forwarding to %s failed: %s", self.endpoint, error)
+                ok = False
+            except Exception:  # the loop must outlive a bug; the body is dropped, counted
+                if not self._bug_logged:
+                    log.exception("forwarding to %s failed unexpectedly", self.endpoint)
+                    self._bug_logged = True
                 ok = False
             if ok:
                 self.forwarded += 1

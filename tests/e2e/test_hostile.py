@@ -191,15 +191,16 @@ async def server_and_watchdog(
     faults: list[str],
     overrides: Mapping[str, Any],
     before_watchdog: Any = None,
+    generation: str = "0.30",
 ) -> AsyncIterator[tuple[Watchdog, SimProcess]]:
-    """A 0.30 server started first, then a watchdog attached to it in enforce mode;
+    """A server started first, then a watchdog attached to it in enforce mode;
     `before_watchdog(server)` runs in between."""
     otlp_port = free_port()
     os.environ["OMNI_WATCHDOG_SIM_STATE"] = str(workdir / "sim-state")
     server = SimProcess.start(
         workdir,
         faults,
-        "0.30",
+        generation,
         env={
             "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}/v1/traces",
             "OMNI_WATCHDOG_ADMIN_TOKEN": "demo-token",
@@ -210,18 +211,26 @@ async def server_and_watchdog(
         await wait_for(lambda: server_answers(server), 60)
         if before_watchdog is not None:
             await before_watchdog(server)
-        layers = merge_layers(FAST, {"spans": {"otlp_listen": f"127.0.0.1:{otlp_port}"}})
-        config = demo_config(
-            workdir, server.url, example_config("0.30"), "enforce", merge_layers(layers, overrides)
-        )
-        watchdog = Watchdog(config, SystemClock())
-        await watchdog.start()
+        watchdog = await watchdog_for(workdir, server, otlp_port, generation, overrides)
         try:
             yield watchdog, server
         finally:
             await watchdog.stop()
     finally:
         server.stop()
+
+
+async def watchdog_for(
+    workdir: Path, server: SimProcess, otlp_port: int, generation: str, overrides: Mapping[str, Any]
+) -> Watchdog:
+    """A started enforce-mode watchdog on `server`, its state in `workdir`."""
+    layers = merge_layers(FAST, {"spans": {"otlp_listen": f"127.0.0.1:{otlp_port}"}})
+    config = demo_config(
+        workdir, server.url, example_config(generation), "enforce", merge_layers(layers, overrides)
+    )
+    watchdog = Watchdog(config, SystemClock())
+    await watchdog.start()
+    return watchdog
 
 
 def server_answers(server: SimProcess) -> bool:
@@ -399,3 +408,51 @@ def test_loops_survive_their_errors_and_healthz_tells_when_judging_stops(
     # Each distinct error once, with its traceback; repeats are only counted.
     assert [r.fields["error"] for r in logged].count("RuntimeError('a bug in judging')") == 1
     assert all(r.exc_info for r in logged)
+
+
+def test_a_restarted_watchdog_resumes_on_the_journals_processes_and_gpu(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with server_and_watchdog(tmp_path, ["1:engine-dead-hang"], {}, None, "0.11") as (
+            first,
+            server,
+        ):
+            await warmed_up(first)
+            in_background(server.url)
+            # The report's hang: the shutdown request goes unanswered, and the first
+            # watchdog is stopped before the ladder reaches terminate.
+            opened = await wait_for(
+                lambda: next((i for i in first.policy.incidents() if len(i.steps) >= 2), None),
+                40,
+            )
+            await first.stop()
+            otlp_port = first.otlp_port
+            assert otlp_port is not None
+            second = await watchdog_for(tmp_path, server, otlp_port, "0.11", {})
+            try:
+                incident = await wait_for(
+                    lambda: next(
+                        (
+                            i
+                            for i in second.policy.incidents()
+                            if i.incident_id == opened.incident_id and i.closed
+                        ),
+                        None,
+                    ),
+                    40,
+                )
+            finally:
+                await second.stop()
+        steps = {s.step.value: s for s in incident.steps}
+        assert [s.step.value for s in incident.steps] == [
+            "capture",
+            "shutdown",
+            "terminate",
+            "kill",
+            "verify",
+        ], incident.steps
+        assert not [s.detail for s in incident.steps if "not a recorded process" in s.detail]
+        assert f"process group {server.process.pid} sent" in steps["terminate"].detail
+        assert "back to baseline" in steps["verify"].detail, steps["verify"].detail
+        assert incident.outcome is IncidentOutcome.RECOVERED_BY_KILL
+
+    asyncio.run(scenario())
