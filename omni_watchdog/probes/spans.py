@@ -318,10 +318,11 @@ def _stage_path(value: object) -> tuple[int, ...]:
 
 def _request_id(found: Mapping[str, Any], key: str, fallback: str = "") -> str:
     value = found.get(key)
-    if value is None:
-        value = found.get(fallback, "") if fallback else ""
-    text = value if type(value) is str else str(value)
-    return text if len(text) <= MAX_REQUEST_ID else text[:MAX_REQUEST_ID]
+    if value is None and fallback:
+        value = found.get(fallback)
+    if type(value) is str:
+        return value if len(value) <= MAX_REQUEST_ID else value[:MAX_REQUEST_ID]
+    return "" if value is None else str(value)[:MAX_REQUEST_ID]
 
 
 def _stage_span(span: Any, stage: StageRef, found: Mapping[str, Any], now: float) -> Observation:
@@ -348,6 +349,29 @@ def _error_detail(span: Any) -> str:
                 if kv.key == "exception.message":
                     return str(attribute_value(kv.value))
     return ""
+
+
+def _compacted(
+    kept: list[tuple[StageRef | None, Any]], per_stage: int | None = None
+) -> list[tuple[StageRef | None, bytes]]:
+    """The spans as bounded bytes, only the last `per_stage` of each stage: the ring would
+    drop the others at once, and serializing is most of what keeping a span costs."""
+    if per_stage is not None and len(kept) > per_stage:
+        # Keyed by identity: the receiver shares one StageRef per stage, and hashing the
+        # dataclass is most of this loop's cost.
+        left: dict[int, int] = {}
+        tail: list[tuple[StageRef | None, Any]] = []
+        for stage, span in reversed(kept):
+            room = left.get(id(stage), per_stage)
+            if room:
+                left[id(stage)] = room - 1
+                tail.append((stage, span))
+        kept = tail[::-1]
+    compacted = []
+    for stage, span in kept:
+        data = span.SerializeToString()
+        compacted.append((stage, data if len(data) <= MAX_SPAN_BYTES else compact_span(span)))
+    return compacted
 
 
 def _asked(
@@ -538,6 +562,9 @@ class SpanReceiver:
         known: dict[StageRef, bool] = {}
         mapped: dict[StageRef, bool] = {}
         well_formed = malformed = 0
+        # Consecutive spans name the same stage object: ask about it once in a row.
+        checked: StageRef | None = None
+        checked_known, checked_mapped = True, False
         for resource_spans in request.resource_spans:
             resource, trust = self._resource(resource_spans)
             if trust is _Trust.FOREIGN:
@@ -549,7 +576,7 @@ class SpanReceiver:
             resource_id = resource.attributes.get(STAGE_ID)
             # What the resource's spans give, held back while its sender is unrecorded.
             gathered = [] if trust is _Trust.UNRECORDED else observations
-            kept: list[tuple[StageRef | None, bytes]] = []
+            kept: list[tuple[StageRef | None, Any]] = []
             beating: set[StageRef] = set()
             counted = 0
             for scope_spans in resource_spans.scope_spans:
@@ -593,23 +620,22 @@ class SpanReceiver:
                     name = span.name
                     if stage is None and name == VLLM_REQUEST_SPAN:
                         stage = VLLM_DEFAULT_STAGE
-                    if stage is not None and not _asked(senders.knows, stage, known):
+                    if stage is not checked:
+                        checked = stage
+                        checked_known = stage is None or _asked(senders.knows, stage, known)
+                        checked_mapped = stage is not None and _asked(senders.maps, stage, mapped)
+                    if not checked_known:
                         self._rejected["unknown_stage"] += 1
                         continue
                     if trust is _Trust.ANONYMOUS and (
-                        stage is None
-                        or name != VLLM_REQUEST_SPAN
-                        or not _asked(senders.maps, stage, mapped)
+                        name != VLLM_REQUEST_SPAN or not checked_mapped
                     ):
                         # No start time: such a span may show a mapped stage's progress,
                         # never a process's liveness or the requests it owes.
                         self._rejected["unknown_sender"] += 1
                         continue
                     counted += 1
-                    data = span.SerializeToString()
-                    if len(data) > MAX_SPAN_BYTES:
-                        data = compact_span(span)
-                    kept.append((stage, data))
+                    kept.append((stage, span))
                     if name == HEARTBEAT_SPAN:
                         # Heartbeats of one stage in one body say the same thing at `now`.
                         if stage is not None and stage not in beating:
@@ -640,17 +666,24 @@ class SpanReceiver:
                             )
                         )
             if trust is _Trust.UNRECORDED and counted:
-                self._wait(now, resource, counted, gathered, kept)
+                self._wait(now, resource, counted, gathered, _compacted(kept))
             elif counted:
-                self._keep(resource, kept)
+                self._file(resource, counted, _compacted(kept, self.store.ring_size))
         return well_formed, malformed
 
-    def _keep(self, resource: ResourceInfo, kept: list[tuple[StageRef | None, bytes]]) -> None:
-        """File one resource's spans, and learn its pid's stage: its sender is the target's."""
-        self._accepted += len(kept)
+    def _file(
+        self, resource: ResourceInfo, count: int, kept: list[tuple[StageRef | None, bytes]]
+    ) -> None:
+        """File one resource's spans (`count` of them, `kept` the ones the rings will hold),
+        and learn its pid's stage: its sender is the target's."""
+        self._accepted += count
         store = self.store
+        filed_stage: StageRef | None = None
+        ring = store.ring(None)
         for stage, data in kept:
-            store.ring(stage).append((data, resource, stage))
+            if stage is not filed_stage:
+                filed_stage, ring = stage, store.ring(stage)
+            ring.append((data, resource, stage))
         if resource.pid is not None and resource.stage is not None:
             store.learn_pid(resource.pid, resource.stage, resource.process_kind)
 
@@ -679,7 +712,7 @@ class SpanReceiver:
         still: deque[_Waiting] = deque()
         for waiting in self._waiting:
             if self._senders.owns(waiting.pid, waiting.start_ticks):
-                self._keep(waiting.resource, waiting.kept)
+                self._file(waiting.resource, waiting.count, waiting.kept)
                 if waiting.observations:
                     self._batches.append(waiting.observations)
             elif now - waiting.received > self._sender_grace:
