@@ -12,10 +12,14 @@ from omni_watchdog.serving import Listener, ListenerLimits, RateLimitedLog
 
 @contextlib.asynccontextmanager
 async def listening(
-    app: web.Application, header_timeout: float = 10.0, max_connections: int = 256
+    app: web.Application,
+    header_timeout: float = 10.0,
+    max_connections: int = 256,
+    errors: list[None] | None = None,
 ) -> AsyncIterator[Listener]:
-    """`app` on a free loopback port through the watchdog's own `Listener`."""
-    errors: list[None] = []
+    """`app` on a free loopback port through the watchdog's own `Listener`; each error it
+    counts is appended to `errors`."""
+    errors = [] if errors is None else errors
     listener = Listener(
         app,
         "test",

@@ -10,9 +10,10 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 from aiohttp import web
+from listening import listening
 
 from omni_watchdog.clock import FakeClock
-from omni_watchdog.serving import Listener, ListenerLimits, RateLimitedLog
+from omni_watchdog.serving import Listener, RateLimitedLog
 
 DEADLINE = 5.0
 
@@ -31,17 +32,8 @@ async def listener_of(
     app: web.Application, header_timeout: float = 10.0, max_connections: int = 8
 ) -> AsyncIterator[tuple[Listener, list[None]]]:
     errors: list[None] = []
-    listener = Listener(
-        app,
-        "api",
-        ListenerLimits(header_timeout, max_connections),
-        RateLimitedLog(lambda: errors.append(None)),
-    )
-    await listener.start("127.0.0.1", 0)
-    try:
+    async with listening(app, header_timeout, max_connections, errors) as listener:
         yield listener, errors
-    finally:
-        await listener.close()
 
 
 async def get(port: int) -> int:

@@ -26,12 +26,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
+from otlp_bodies import key_value
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
@@ -254,19 +254,6 @@ def test_json_encoding_with_hex_ids(gzipped: bool) -> None:
         receiver.store.recent(TALKER)[3].trace_id
         == document["resourceSpans"][0]["scopeSpans"][0]["spans"][3]["traceId"]
     )
-
-
-def key_value(key: str, value: object) -> KeyValue:
-    kv = KeyValue(key=key)
-    if isinstance(value, bool):
-        kv.value.bool_value = value
-    elif isinstance(value, int):
-        kv.value.int_value = value
-    elif isinstance(value, float):
-        kv.value.double_value = value
-    else:
-        kv.value.string_value = str(value)
-    return kv
 
 
 def fixture_request(name: str) -> ExportTraceServiceRequest:

@@ -10,7 +10,7 @@ import json
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -21,6 +21,7 @@ from fakes import FakeSenders
 from listening import listening
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
+from otlp_bodies import batch, key_value
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
@@ -38,31 +39,6 @@ def load_benchmark_module(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def key_value(key: str, value: int | str) -> KeyValue:
-    kv = KeyValue(key=key)
-    if isinstance(value, int):
-        kv.value.int_value = value
-    else:
-        kv.value.string_value = value
-    return kv
-
-
-def batch(
-    resource: Mapping[str, int | str], spans: Sequence[tuple[str, Mapping[str, int | str]]]
-) -> bytes:
-    """One resource's spans, named and attributed as given, with ids 1, 2, 3..."""
-    request = ExportTraceServiceRequest()
-    resource_spans = request.resource_spans.add()
-    resource_spans.resource.attributes.extend(key_value(k, v) for k, v in resource.items())
-    scope_spans = resource_spans.scope_spans.add()
-    for index, (name, attributes) in enumerate(spans, start=1):
-        span = scope_spans.spans.add(
-            name=name, trace_id=index.to_bytes(16, "big"), span_id=index.to_bytes(8, "big")
-        )
-        span.attributes.extend(key_value(k, v) for k, v in attributes.items())
-    return request.SerializeToString()
 
 
 def make_receiver(ring_size: int = 256, forwarder: SpanForwarder | None = None) -> SpanReceiver:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 import pytest
 from fakes import FakeSenders
 from listening import listening
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import KeyValue
+from otlp_bodies import batch
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
@@ -30,33 +29,6 @@ HEARTBEAT = ("omni.stage.loop", {})
 STAGE_SPAN = ("omni.stage.request", {"omni.request.id": "r1"})
 ADMITTED = ("omni.request.admitted", {"omni.request.id": "r1", "omni.request.stage_path": [0, 1]})
 LLM_REQUEST = ("llm_request", {"gen_ai.request.id": "cmpl-1"})
-
-
-def key_value(key: str, value: Any) -> KeyValue:
-    kv = KeyValue(key=key)
-    if isinstance(value, bool):
-        kv.value.bool_value = value
-    elif isinstance(value, int):
-        kv.value.int_value = value
-    elif isinstance(value, list):
-        for item in value:
-            kv.value.array_value.values.add().int_value = item
-    else:
-        kv.value.string_value = str(value)
-    return kv
-
-
-def body(resource: Mapping[str, Any], spans: Sequence[tuple[str, Mapping[str, Any]]]) -> bytes:
-    request = ExportTraceServiceRequest()
-    resource_spans = request.resource_spans.add()
-    resource_spans.resource.attributes.extend(key_value(k, v) for k, v in resource.items())
-    scope_spans = resource_spans.scope_spans.add()
-    for index, (name, attributes) in enumerate(spans, start=1):
-        span = scope_spans.spans.add(
-            name=name, trace_id=index.to_bytes(16, "big"), span_id=index.to_bytes(8, "big")
-        )
-        span.attributes.extend(key_value(k, v) for k, v in attributes.items())
-    return request.SerializeToString()
 
 
 def receiver_for(
@@ -137,7 +109,7 @@ def test_only_the_target_speaks_for_its_stages(
     rejected: dict[str, int],
 ) -> None:
     receiver = receiver_for()
-    result = receiver.ingest(body(resource, spans), PROTOBUF)
+    result = receiver.ingest(batch(resource, spans), PROTOBUF)
     # Refusing a span for its sender is not the exporter's fault: no partial success.
     assert result.rejected == 0, name
     assert taken(receiver) == kinds, name
@@ -147,7 +119,7 @@ def test_only_the_target_speaks_for_its_stages(
 
 def test_vllm_spans_of_an_unmapped_stage_are_refused() -> None:
     receiver = receiver_for(FakeSenders(owned=set(), stages={S0}, mapped=set()))
-    receiver.ingest(body({"vllm.process_id": "40"}, [LLM_REQUEST]), PROTOBUF)
+    receiver.ingest(batch({"vllm.process_id": "40"}, [LLM_REQUEST]), PROTOBUF)
     assert taken(receiver) == []
     assert refused(receiver) == {"unknown_sender": 1}
 
@@ -156,7 +128,7 @@ def test_an_unrecorded_sender_waits_for_the_tracker_then_counts() -> None:
     clock = FakeClock()
     senders = FakeSenders(owned=set(), stages={S1}, mapped={S1})
     receiver = receiver_for(senders, clock)
-    receiver.ingest(body({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT, STAGE_SPAN]), PROTOBUF)
+    receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT, STAGE_SPAN]), PROTOBUF)
     assert taken(receiver) == []
     assert receiver.store.recent(S1) == []
     clock.advance(1.0)
@@ -173,7 +145,7 @@ def test_an_unrecorded_sender_waits_for_the_tracker_then_counts() -> None:
 def test_a_sender_never_recorded_is_refused_after_its_grace() -> None:
     clock = FakeClock()
     receiver = receiver_for(FakeSenders(owned=set(), stages={S1}, mapped={S1}), clock)
-    receiver.ingest(body({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT, STAGE_SPAN]), PROTOBUF)
+    receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT, STAGE_SPAN]), PROTOBUF)
     clock.advance(1.9)
     assert taken(receiver) == []
     assert refused(receiver) == {}
@@ -186,7 +158,7 @@ def test_a_sender_never_recorded_is_refused_after_its_grace() -> None:
 def test_a_huge_attribute_is_cut_before_it_is_kept() -> None:
     receiver = receiver_for()
     huge = {"omni.request.id": "r1", "prompt": "x" * 1_000_000, "list": list(range(5000))}
-    receiver.ingest(body({**STAGE_PROCESS, **STAGE_ONE}, [("omni.stage.request", huge)]), PROTOBUF)
+    receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [("omni.stage.request", huge)]), PROTOBUF)
     ((data, _, _),) = receiver.store.ring(S1)
     assert len(data) <= MAX_SPAN_BYTES + 512
     (record,) = receiver.store.recent(S1)
@@ -197,7 +169,7 @@ def test_a_huge_attribute_is_cut_before_it_is_kept() -> None:
 def test_a_huge_resource_is_cut_before_it_is_kept() -> None:
     receiver = receiver_for()
     resource = {**STAGE_PROCESS, **STAGE_ONE, **{f"k{n}": "v" * 10_000 for n in range(500)}}
-    receiver.ingest(body(resource, [HEARTBEAT]), PROTOBUF)
+    receiver.ingest(batch(resource, [HEARTBEAT]), PROTOBUF)
     ((_, kept_resource, _),) = receiver.store.ring(S1)
     assert len(kept_resource.attributes) <= 64
     assert max(len(str(value)) for value in kept_resource.attributes.values()) <= 256
@@ -225,7 +197,7 @@ def test_the_token_is_required_and_checked() -> None:
     receiver = SpanReceiver(
         SpansConfig(), FakeClock(), SpanStore(8), senders=TREE, token="s3cret", boot_id=BOOT
     )
-    spans = body({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT])
+    spans = batch({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT])
     plain = {"Content-Type": PROTOBUF}
 
     async def scenario() -> tuple[list[int], bytes]:
