@@ -771,9 +771,15 @@ def describe_defaults() -> list[tuple[str, str, str]]:
                 walk(type(value), value, f"{prefix}{spec.name}.")
                 continue
             shown = value.value if isinstance(value, enum.Enum) else value
-            if spec.metadata.get("duration"):
+            unit = "s" if spec.metadata.get("duration") else ""
+            if unit:
                 shown = f"{value:g}s"
-            rows.append((f"{prefix}{spec.name}", str(shown), spec.metadata.get("doc", "")))
+            doc = spec.metadata.get("doc", "")
+            bounds = [spec.metadata.get("minimum"), spec.metadata.get("maximum")]
+            if bounds != [None, None]:
+                low, high = ("" if bound is None else f"{bound:g}{unit}" for bound in bounds)
+                doc += f" Range: {low}..{high}."
+            rows.append((f"{prefix}{spec.name}", str(shown), doc))
 
     walk(WatchdogConfig, WatchdogConfig(), "")
     return rows

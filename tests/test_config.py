@@ -796,3 +796,10 @@ def test_run_help_states_the_real_defaults(
         defaults.resolved_state_dir(),
     ):
         assert f"(default {value})" in out
+
+
+def test_the_listed_defaults_state_each_range() -> None:
+    rows = {name: doc for name, _, doc in describe_defaults()}
+    assert rows["probes.interval"].endswith("Range: 0.05s..3600s.")
+    assert rows["spans.ring_size"].endswith("Range: 1..4096.")
+    assert "Range" not in rows["target"]
