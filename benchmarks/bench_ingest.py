@@ -41,8 +41,7 @@ from omni_watchdog.types import StageRef
 
 SECTION = "OTLP ingest"
 BATCH_SPANS = 512
-TARGET_SPANS_PER_SECOND = 50_000
-TARGET_RATIO = 0.5
+TARGET_SPANS_PER_SECOND = 100_000
 HEARTBEAT_EVERY = 16
 _START_NANOS = 1_796_221_666_000_000_000
 PLUGIN_PID = 4242
@@ -279,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = measure(body, runs=args.runs)
         http = measure_http(body, runs=max(3, args.runs // 2))
         rate_ok = figures.spans_per_second >= TARGET_SPANS_PER_SECOND
-        ratio_ok = figures.ratio >= TARGET_RATIO
-        all_ok = all_ok and rate_ok and ratio_ok
+        all_ok = all_ok and rate_ok
         print(
             f"{label}: {figures.spans_per_second:,.0f} spans/s through the receiver, "
             f"{figures.bare_spans_per_second:,.0f} spans/s bare decoding, "
@@ -296,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             (
                 f"{label}: ratio to bare FromString ({figures.bare_spans_per_second:,.0f}/s)",
                 f"{figures.ratio:.2f}",
-                f">= {TARGET_RATIO}",
-                _verdict(ratio_ok),
+                # Retired as a target (DESIGN section 9): bare upb decoding runs in C.
+                "information",
+                "-",
             ),
             (f"{label}: spans/s over HTTP on loopback", f"{http:,.0f}", "information", "-"),
         ]
@@ -310,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"medians of {args.runs} runs, pinned to one core, protobuf backend "
                 f"`{api_implementation.Type()}`; `python benchmarks/bench_ingest.py`. "
                 "With the upb backend bare decoding runs in C at well under a microsecond "
-                "per span, less than building the one `Observation` a span yields, so the "
-                "ratio target is out of reach for any per-span mapping in Python."
+                "per span, less than building the one `Observation` a span yields: the "
+                "ratio is shown for information, as DESIGN section 9 retired it. The "
+                "plugin's spans come from a process of the target's tree (checked by pid "
+                "and start); vLLM's name no start and count for a stage the tree maps."
             ),
         )
     return 0 if all_ok else 1

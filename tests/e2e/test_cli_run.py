@@ -252,3 +252,27 @@ def test_a_receiver_off_loopback_without_a_token_refuses_to_start(tmp_path: Path
     )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "OMNI_WATCHDOG_OTLP_TOKEN" in result.stderr
+
+
+def test_a_port_already_taken_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "omni_watchdog.cli",
+                "run",
+                *("--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path)),
+                *("--otlp-listen", f"127.0.0.1:{free_port()}"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_WATCHDOG_")},
+        )
+    assert result.returncode == 1
+    (line,) = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert line.startswith("omni-watchdog: cannot start:") and "Traceback" not in result.stderr
