@@ -69,6 +69,7 @@ class _Connection(asyncio.Protocol):
         self._inner = inner
         self.transport: asyncio.Transport | None = None
         self.in_request = False
+        self._admitted = False
         self._received_since_armed = False
         self._timer: asyncio.TimerHandle | None = None
 
@@ -78,20 +79,26 @@ class _Connection(asyncio.Protocol):
         if not self._listener.admit(self):
             transport.abort()
             return
+        self._admitted = True
         self.arm()
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self._received_since_armed = True
-        self._inner.data_received(data)
+        if self._admitted:
+            self._received_since_armed = True
+            self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
+        if not self._admitted:
+            return None
         result: bool | None = self._inner.eof_received()
         return result
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm()
-        if self._listener.release(self):
+        self._listener.release(self)
+        # aiohttp's handler saw the connection open (an evicted one too): it must see it go.
+        if self._admitted:
             self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -188,6 +195,11 @@ class Listener:
     def open_connections(self) -> int:
         return len(self._open)
 
+    def server_connections(self) -> list[Any]:
+        """aiohttp's own handlers of the open connections."""
+        server = self._runner.server
+        return list(server.connections) if server is not None else []
+
     def admit(self, connection: _Connection) -> bool:
         """Take a new connection, making room by closing the oldest one between requests."""
         if len(self._open) >= self.limits.max_connections:
@@ -195,24 +207,21 @@ class Listener:
             if waiting is None:
                 self.count_closed("over_cap")
                 return False
-            self._forget(waiting)
+            self.release(waiting)
             waiting.close("over_cap")
         self._open[connection] = None
         if connection.transport is not None:
             self._by_transport[connection.transport] = connection
         return True
 
-    def release(self, connection: _Connection) -> bool:
-        """Forget a closed connection; False if it was never admitted or already evicted."""
-        return self._forget(connection)
+    def release(self, connection: _Connection) -> None:
+        """Forget a connection that is closing, or closed."""
+        if connection.transport is not None:
+            self._by_transport.pop(connection.transport, None)
+        self._open.pop(connection, None)
 
     def count_closed(self, reason: str) -> None:
         self.closed[reason] += 1
-
-    def _forget(self, connection: _Connection) -> bool:
-        if connection.transport is not None:
-            self._by_transport.pop(connection.transport, None)
-        return self._open.pop(connection, 0) is None
 
     @web.middleware
     async def _track_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:
