@@ -291,6 +291,9 @@ def test_a_full_disk_never_holds_the_ladder_back(tmp_path: Path) -> None:
             assert watchdog.write_errors.total >= len(incident.steps)
             assert "No space left" in watchdog.write_errors.last
             url = f"http://127.0.0.1:{watchdog.api_port}"
+            recovered = 'omni_watchdog_incidents_total{outcome="recovered_by_shutdown"} 1'
+            # The exporter counts a closed incident at the next evaluation (every 0.25 s).
+            await wait_for(lambda: recovered in watchdog.exposition.render().decode(), 5)
             async with aiohttp.ClientSession() as session:
                 async with session.get(url + "/metrics") as response:
                     text = await response.text()
@@ -302,7 +305,7 @@ def test_a_full_disk_never_holds_the_ladder_back(tmp_path: Path) -> None:
                 if line.startswith("omni_watchdog_state_write_errors_total ")
             )
             assert float(written.split()[1]) >= len(incident.steps)
-            assert 'omni_watchdog_incidents_total{outcome="recovered_by_shutdown"} 1' in text
+            assert recovered in text
             assert shown["outcome"] == "recovered_by_shutdown"
             # The bundle still went to disk, readable by its owner only.
             bundle = Path(incident.bundle_dir)
