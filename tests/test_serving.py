@@ -13,6 +13,7 @@ from aiohttp import web
 from listening import listening
 
 from omni_watchdog.clock import FakeClock
+from omni_watchdog.demo import wait_for
 from omni_watchdog.serving import Listener, RateLimitedLog
 
 DEADLINE = 5.0
@@ -58,12 +59,14 @@ def test_idle_connections_make_room_for_a_real_client() -> None:
         async with listener_of(app_with(), max_connections=3) as (listener, _):
             assert listener.port is not None
             idle = [await asyncio.open_connection("127.0.0.1", listener.port) for _ in range(3)]
-            await asyncio.sleep(0.1)  # let the server take all three
+            await wait_for(lambda: listener.open_connections == 3, DEADLINE)
             status = await get(listener.port)
             closed = [await closed_by_server(reader) for reader, _ in idle[:1]]
             # aiohttp saw the evicted connection go too: it holds no more than are open.
-            await asyncio.sleep(0.1)
-            assert len(listener.server_connections()) == listener.open_connections
+            await wait_for(
+                lambda: len(listener.server_connections()) == listener.open_connections,
+                DEADLINE,
+            )
             for _, writer in idle:
                 writer.close()
             return status, closed, dict(listener.closed)
@@ -76,8 +79,10 @@ def test_idle_connections_make_room_for_a_real_client() -> None:
 
 def test_connections_all_busy_are_kept_and_the_new_one_refused() -> None:
     release = asyncio.Event()
+    entered: list[None] = []
 
     async def slow(_: web.Request) -> web.Response:
+        entered.append(None)
         await release.wait()
         return web.Response(text="done")
 
@@ -85,7 +90,7 @@ def test_connections_all_busy_are_kept_and_the_new_one_refused() -> None:
         async with listener_of(app_with(slow), max_connections=2) as (listener, _):
             assert listener.port is not None
             busy = [asyncio.create_task(get(listener.port)) for _ in range(2)]
-            await asyncio.sleep(0.2)
+            await wait_for(lambda: len(entered) == 2, DEADLINE)
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             refused = await closed_by_server(reader)
             writer.close()

@@ -236,20 +236,20 @@ def test_run_serves_otlp_as_a_collector_does(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_a_receiver_off_loopback_without_a_token_refuses_to_start(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "omni_watchdog.cli",
-            "run",
-            *("--otlp-listen", f"0.0.0.0:{free_port()}", "--state-dir", str(tmp_path)),
-        ],
+def run_refused(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """`omni-watchdog run` with these arguments and no OMNI_WATCHDOG_* from this process,
+    expected to end at once."""
+    return subprocess.run(
+        [sys.executable, "-m", "omni_watchdog.cli", "run", *arguments],
         capture_output=True,
         text=True,
         timeout=30,
         env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_WATCHDOG_")},
     )
+
+
+def test_a_receiver_off_loopback_without_a_token_refuses_to_start(tmp_path: Path) -> None:
+    result = run_refused("--otlp-listen", f"0.0.0.0:{free_port()}", "--state-dir", str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "OMNI_WATCHDOG_OTLP_TOKEN" in result.stderr
 
@@ -259,19 +259,9 @@ def test_a_port_already_taken_is_one_line_not_a_traceback(tmp_path: Path) -> Non
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "omni_watchdog.cli",
-                "run",
-                *("--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path)),
-                *("--otlp-listen", f"127.0.0.1:{free_port()}"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_WATCHDOG_")},
+        result = run_refused(
+            *("--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path)),
+            *("--otlp-listen", f"127.0.0.1:{free_port()}"),
         )
     assert result.returncode == 1
     (line,) = [line for line in result.stderr.splitlines() if not line.startswith("{")]
