@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# Whole test files run on this many workers: the real servers' start-up overlaps the
+# simulated-server tests' waiting.
+PYTEST_WORKERS ?= 2
 .DEFAULT_GOAL := test
 
 .PHONY: demo test lint bench clean tools
@@ -27,7 +30,7 @@ lint: $(STAMP)
 	$(BIN)/mypy omni_watchdog
 
 test: lint tools
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

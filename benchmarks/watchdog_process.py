@@ -61,9 +61,11 @@ def start_watchdog(
     api_port: int,
     otlp_port: int,
     settings: list[str],
-    generation: str = "0.11",
+    generation: str | None = "0.11",
 ) -> subprocess.Popen[bytes]:
-    """An observe-mode watchdog without NVML; `settings` are `FIELD=VALUE` for `--set`."""
+    """An observe-mode watchdog without NVML; `settings` are `FIELD=VALUE` for `--set`.
+    With `generation` None it gets no stage config: a real server's plugin reports its
+    topology."""
     command = Path(sys.executable).with_name("omni-watchdog")
     log = (workdir / "watchdog.log").open("ab")
     argv = [
@@ -81,9 +83,9 @@ def start_watchdog(
         f"127.0.0.1:{otlp_port}",
         "--state-dir",
         str(workdir / "watchdog"),
-        "--stage-config",
-        str(example_config(generation)),
     ]
+    if generation is not None:
+        argv += ["--stage-config", str(example_config(generation))]
     for setting in settings:
         argv += ["--set", setting]
     return subprocess.Popen(

@@ -54,6 +54,7 @@ from omni_watchdog.probes.gpu import GpuProbe, load_nvml
 from omni_watchdog.probes.health import HealthProbe
 from omni_watchdog.probes.metrics import MetricsProbe
 from omni_watchdog.probes.processes import ProcessTracker
+from omni_watchdog.probes.server_config import ServerConfigReader
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import SpanForwarder, SpanReceiver
 from omni_watchdog.redact import redact_argv
@@ -63,7 +64,7 @@ from omni_watchdog.serving import (
     RateLimitedLog,
     install_loop_error_handler,
 )
-from omni_watchdog.topology import TopologySenders, default_topology, load_topology
+from omni_watchdog.topology import TopologySenders, default_topology, load_topology, replaces
 from omni_watchdog.types import (
     Clock,
     HealthOutcome,
@@ -121,14 +122,19 @@ class Watchdog:
         nvml_module: ModuleType | None = None,
         topology: Topology | None = None,
         start_time: Callable[[int], float] = process_start.start_time,
+        read_server_config: Callable[[int], Topology | None] | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
         self._psutil = psutil_module
         self._start_time = start_time
+        # Without a stage config the server's own stages are learned as it runs
+        # (`_offer_topology`); a given one is never replaced.
         self.topology = topology or (
             load_topology(config.stage_config) if config.stage_config else default_topology()
         )
+        self._read_server_config = read_server_config or ServerConfigReader().read
+        self._topology_senders: TopologySenders | None = None
         self._nvml = (
             nvml_module if nvml_module is not None else load_nvml(config.probes.gpu_backend)
         )
@@ -179,14 +185,17 @@ class Watchdog:
             pid=config.pid or None,
             topology=self.topology,
             start_time=self._start_time,
+            server_topology=self._read_server_config,
         )
         watching_processes = "processes" in config.probes.enabled
+        if not watching_processes:
+            self._topology_senders = TopologySenders(self.topology)
         self.receiver = SpanReceiver(
             config.spans,
             self.clock,
             self.store,
             forwarder,
-            senders=self.tracker if watching_processes else TopologySenders(self.topology),
+            senders=self._topology_senders or self.tracker,
             token=config.otlp_token,
             boot_id=process_start.boot_id(),
             # A new process's spans wait for the tracker's next scans before they count as
@@ -458,6 +467,12 @@ class Watchdog:
         health.last_error = reason
 
     def _take(self, probe: Probe, observations: Sequence[Observation]) -> None:
+        for obs in observations:
+            if obs.kind is ObservationKind.TOPOLOGY and obs.topology is not None:
+                try:
+                    self._offer_topology(obs.topology)
+                except Exception as error:  # one bad report must not cost the others
+                    self._internal_error("ingest", error)
         if probe is self.receiver:
             for pid, (stage, kind) in self.store.pid_stages().items():
                 self.tracker.learn_stage(pid, stage, kind)
@@ -472,6 +487,25 @@ class Watchdog:
         self.stats.observe(observations)
         if probe is self.tracker and self.tracker.generation != self._generation:
             self._reattach()
+
+    def _offer_topology(self, offered: Topology) -> None:
+        """Use a topology learned from the server when it is better informed than the one
+        in use (`topology.replaces`), everywhere at once, keeping the detector's state of
+        the stages that stay. A re-attach keeps it too: a restarted server almost always
+        runs the same pipeline, and whatever it runs now is learned again."""
+        if not replaces(self.topology, offered):
+            return
+        self.topology = offered
+        self.detector.set_topology(offered, self.clock.monotonic())
+        self.tracker.set_topology(offered)
+        if self._topology_senders is not None:
+            self._topology_senders.set_topology(offered)
+        log_event(
+            logger,
+            "topology_changed",
+            source=offered.source,
+            stages=[f"{s.stage_id}:{s.name}x{s.replicas}" for s in offered.stages],
+        )
 
     def _reattach(self) -> None:
         """A new server answers on the target: judge the old one's exit, then start afresh."""

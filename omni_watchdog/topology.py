@@ -1,20 +1,24 @@
-"""Read vLLM-Omni stage configs (the 0.11 `stage_args` schema and the 0.30 deploy schema).
+"""Read vLLM-Omni stage configs (the 0.11 `stage_args` schema and the 0.30 deploy schema),
+and the topologies learned from a running server (the plugin's report, titles, metrics).
 
-Both become one `Topology`. Every error names the file and the field path, like
-`talker.yaml: stage_args[1].stage_id: missing`.
+All become one `Topology`. Every error names the file and the field path, like
+`talker.yaml: stage_args[1].stage_id: missing`. Which of several topologies is believed
+is decided here too (`replaces`).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from omni_watchdog.types import Stage, StageRef, Topology
+from omni_watchdog import pipeline_report
+from omni_watchdog.pipeline_report import MAX_STAGE_NAME
+from omni_watchdog.types import Stage, StageRef, Topology, TopologyOrigin
 
 
 class TopologyError(ValueError):
@@ -34,7 +38,10 @@ DEFAULT_STAGE_NAME = "engine"
 MAX_STAGES = 64
 MAX_REPLICAS = 64
 MAX_STAGE_REPLICAS = 256
-MAX_STAGE_NAME = 64
+# Stage configs are a few kilobytes; a bigger file is not one (and is not read whole).
+MAX_CONFIG_BYTES = 1 << 20
+# Every stage may read from every other, written as "0,1,...": no more text than that.
+_MAX_INPUTS_TEXT = MAX_STAGES * 4
 
 
 class TopologySenders:
@@ -42,6 +49,9 @@ class TopologySenders:
     namespace): any sender, since none can be checked, but only the topology's stages."""
 
     def __init__(self, topology: Topology) -> None:
+        self._refs = frozenset(topology.refs())
+
+    def set_topology(self, topology: Topology) -> None:
         self._refs = frozenset(topology.refs())
 
     def owns(self, pid: int | None, start_ticks: int | None) -> bool:
@@ -56,20 +66,29 @@ class TopologySenders:
 
 def default_topology() -> Topology:
     """Plain vLLM: one stage 0 named "engine"."""
-    return Topology(stages=(Stage(0, DEFAULT_STAGE_NAME, final_output=True),), source="default")
+    return Topology(
+        stages=(Stage(0, DEFAULT_STAGE_NAME, final_output=True),),
+        source="default",
+        origin=TopologyOrigin.DEFAULT,
+    )
 
 
-def load_topology(path: str | Path) -> Topology:
-    """The stage graph of a 0.11 (`stage_args`) or 0.30 (`stages`) stage config file."""
+def load_topology(path: str | Path, source: str = "") -> Topology:
+    """The stage graph of a 0.11 (`stage_args`) or 0.30 (`stages`) stage config file;
+    `source` names it in the topology (default: the path)."""
     file_path = Path(path)
     origin = file_path.name
     try:
-        document = yaml.safe_load(file_path.read_text())
+        with file_path.open("rb") as config_file:
+            data = config_file.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise TopologyError(f"{origin}: over {MAX_CONFIG_BYTES} bytes; not a stage config")
+        document = yaml.safe_load(data)
     except OSError as error:
         raise TopologyError(f"{origin}: cannot read: {error.strerror}") from None
     except yaml.YAMLError as error:
         raise TopologyError(f"{origin}: not valid YAML: {error}") from None
-    return parse_topology(document, origin, source=str(file_path))
+    return parse_topology(document, origin, source=source or str(file_path))
 
 
 def parse_topology(document: Any, origin: str, source: str = "") -> Topology:
@@ -82,6 +101,100 @@ def parse_topology(document: Any, origin: str, source: str = "") -> Topology:
     if "stages" in document:
         return reader.read_v030(document, source or origin)
     raise TopologyError(f"{origin}: top level: expected 'stage_args' (0.11) or 'stages' (0.30)")
+
+
+def replaces(current: Topology, offered: Topology) -> bool:
+    """Whether a topology learned from the server replaces the one in use.
+
+    A given stage config is never replaced. Otherwise a better-informed origin wins, and
+    a newer reading of the same origin wins when its stages differ (a replica added).
+    """
+    if current.origin is TopologyOrigin.EXPLICIT:
+        return False
+    if offered.origin != current.origin:
+        return offered.origin > current.origin
+    return offered.stages != current.stages
+
+
+def observed_topology(
+    refs: Iterable[StageRef], origin: TopologyOrigin, source: str
+) -> Topology | None:
+    """The stages that process titles or metrics labels name; None when they name none, or
+    more than the bounds allow (the default stays then).
+
+    Names are unknown (`stage{S}`), replicas count up to the highest index seen. Edges are
+    unknown too and left empty, not guessed: a chain by stage id would show as fact in
+    /v1/status, and detection never follows edges (a request's path comes with it).
+    """
+    highest: dict[int, int] = {}
+    for ref in refs:
+        if ref.stage_id < 0 or not 0 <= ref.replica < MAX_REPLICAS:
+            return None
+        highest[ref.stage_id] = max(highest.get(ref.stage_id, 0), ref.replica)
+    if not highest or len(highest) > MAX_STAGES:
+        return None
+    if sum(replica + 1 for replica in highest.values()) > MAX_STAGE_REPLICAS:
+        return None
+    stages = tuple(
+        Stage(stage_id, f"stage{stage_id}", replicas=replica + 1)
+        for stage_id, replica in sorted(highest.items())
+    )
+    return Topology(stages=stages, source=source, origin=origin)
+
+
+def reported_topology(attributes: Mapping[str, object], source: str = "plugin") -> Topology:
+    """The topology of the plugin's `omni.pipeline.topology` span (its attributes as
+    values), checked like a config file: parallel lists of one length, bounded, no
+    duplicate ids, no input from an unknown stage. TopologyError names what is wrong."""
+    reader = _Reader(source)
+    ids = reader.sequence(attributes.get(pipeline_report.STAGE_IDS), pipeline_report.STAGE_IDS)
+    if not ids or len(ids) > MAX_STAGES:
+        raise reader.fail(pipeline_report.STAGE_IDS, f"expected 1 to {MAX_STAGES} stages")
+    columns = {
+        key: reader.sequence(attributes.get(key), key)
+        for key in (
+            pipeline_report.STAGE_NAMES,
+            pipeline_report.STAGE_REPLICAS,
+            pipeline_report.STAGE_INPUTS,
+            pipeline_report.STAGE_FINAL_OUTPUT,
+        )
+    }
+    for key, column in columns.items():
+        if len(column) != len(ids):
+            raise reader.fail(key, f"{len(column)} items for {len(ids)} stages")
+    drafts: list[_Draft] = []
+    for index, raw_id in enumerate(ids):
+        where = f"stages[{index}]"
+        stage_id = reader.as_integer(raw_id, f"{where}.stage_id")
+        if stage_id < 0:
+            raise reader.fail(f"{where}.stage_id", f"expected a stage id, got {stage_id}")
+        name = columns[pipeline_report.STAGE_NAMES][index]
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_STAGE_NAME:
+            raise reader.fail(f"{where}.name", f"expected 1 to {MAX_STAGE_NAME} characters")
+        if not name.isprintable():
+            raise reader.fail(f"{where}.name", "expected printable characters")
+        final_output = columns[pipeline_report.STAGE_FINAL_OUTPUT][index]
+        if not isinstance(final_output, bool):
+            problem = f"expected true or false, got {_kind(final_output)}"
+            raise reader.fail(f"{where}.final_output", problem)
+        drafts.append(
+            _Draft(
+                stage_id=stage_id,
+                where=where,
+                name=name,
+                replicas=reader.as_integer(
+                    columns[pipeline_report.STAGE_REPLICAS][index], f"{where}.num_replicas"
+                ),
+                devices=(),
+                memory=None,
+                inputs=reader.input_list(
+                    columns[pipeline_report.STAGE_INPUTS][index], f"{where}.engine_input_source"
+                ),
+                final_output=final_output,
+            )
+        )
+    topology = reader.assemble(drafts, [], source, chain_by_default=False)
+    return replace(topology, origin=TopologyOrigin.PLUGIN)
 
 
 def _kind(value: Any) -> str:
@@ -168,6 +281,15 @@ class _Reader:
             return (value,)
         items = self.sequence(value, where)
         return tuple(self.as_integer(item, f"{where}[{i}]") for i, item in enumerate(items))
+
+    def input_list(self, value: Any, where: str) -> tuple[int, ...]:
+        """Stage ids written as `"0,1"` (OpenTelemetry attributes hold no nested lists)."""
+        if not isinstance(value, str) or len(value) > _MAX_INPUTS_TEXT:
+            raise self.fail(where, f"expected stage ids like '0,1', got {_kind(value)}")
+        items = [item.strip() for item in value.split(",") if item.strip()]
+        if not all(item.isascii() and item.isdigit() for item in items):
+            raise self.fail(where, f"expected stage ids like '0,1', got {value!r}")
+        return tuple(int(item) for item in items)
 
     def edges(self, value: Any, where: str) -> list[tuple[int, int, str]]:
         """(from, to, field path of `to`) for each edge of a `edges:` list."""

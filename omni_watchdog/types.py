@@ -96,12 +96,28 @@ class Stage:
         return tuple(StageRef(self.stage_id, replica) for replica in range(self.replicas))
 
 
+class TopologyOrigin(enum.IntEnum):
+    """How a topology was learned, from least to best informed.
+
+    Without a stage config given to the watchdog, a better-informed origin replaces a
+    poorer one; a given one (`EXPLICIT`) is never replaced.
+    """
+
+    DEFAULT = 0  # nothing seen yet: plain vLLM, one stage
+    METRICS = 1  # stage and replica labels of the server's /metrics: ids and replicas
+    TITLES = 2  # the stage replicas' process titles: ids and replicas of every process
+    SERVER_CONFIG = 3  # the stage config file the server itself was started with
+    PLUGIN = 4  # the pipeline the server runs, as the instrument plugin read it there
+    EXPLICIT = 5  # the stage config given to the watchdog
+
+
 @dataclass(frozen=True)
 class Topology:
-    """The stage graph of a served pipeline."""
+    """The stage graph of a served pipeline; `source` says where it came from."""
 
     stages: tuple[Stage, ...]
     source: str = "default"
+    origin: TopologyOrigin = TopologyOrigin.EXPLICIT
 
     def stage(self, stage_id: int) -> Stage | None:
         return next((s for s in self.stages if s.stage_id == stage_id), None)
@@ -158,6 +174,7 @@ class ObservationKind(str, enum.Enum):
     HEARTBEAT = "heartbeat"
     REQUEST_ADMITTED = "request_admitted"
     REQUEST_ABANDONED = "request_abandoned"
+    REQUEST_FINISHED = "request_finished"
     STAGE_SPAN = "stage_span"
     PROGRESS = "progress"
     LOAD = "load"
@@ -166,6 +183,7 @@ class ObservationKind(str, enum.Enum):
     PROCESS = "process"
     GPU_PROCESS = "gpu_process"
     GPU_DEVICE = "gpu_device"
+    TOPOLOGY = "topology"
 
 
 @dataclass(frozen=True)
@@ -186,6 +204,8 @@ class Observation:
     - GPU_PROCESS: `pid`, `gpu`, `value` = bytes of device memory the pid holds,
       `stage` when the pid is mapped to one.
     - GPU_DEVICE: `gpu`, `value` = used bytes, `utilization` = 0..1.
+    - TOPOLOGY: `topology` = the stage graph a source learned from the server; the app
+      decides whether it replaces the current one.
     """
 
     kind: ObservationKind
@@ -200,6 +220,7 @@ class Observation:
     pid: int | None = None
     gpu: int | None = None
     utilization: float | None = None
+    topology: Topology | None = None
 
 
 @dataclass(frozen=True)

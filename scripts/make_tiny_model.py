@@ -10,6 +10,7 @@ tokenizers); it downloads nothing. The result is well under 1 MB and is enough f
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -58,8 +59,12 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def make_model(output: Path, seed: int = 0) -> Path:
-    """Save the tokenizer and a 2-layer Llama with random bf16 weights into `output`."""
+def make_model(output: Path, seed: int = 0, architecture: str | None = None) -> Path:
+    """Save the tokenizer and a 2-layer Llama with random bf16 weights into `output`.
+
+    `architecture` renames the model class in its config, for a serving stack that
+    registers its own class under that name (the vLLM-Omni test harness does).
+    """
     output.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab_size=512)
     tokenizer.save_pretrained(output)
@@ -81,6 +86,12 @@ def make_model(output: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(output, safe_serialization=True)
+    if architecture is not None:
+        # save_pretrained writes the saving class's name; the config must name the other.
+        config_path = output / "config.json"
+        saved = json.loads(config_path.read_text())
+        saved["architectures"] = [architecture]
+        config_path.write_text(json.dumps(saved, indent=2) + "\n")
     return output
 
 
@@ -88,8 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path, help="directory to write the model into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--architecture", help="model class name to write into the config")
     arguments = parser.parse_args()
-    print(make_model(arguments.output, arguments.seed))
+    print(make_model(arguments.output, arguments.seed, arguments.architecture))
 
 
 if __name__ == "__main__":

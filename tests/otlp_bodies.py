@@ -9,7 +9,7 @@ from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 
 def key_value(key: str, value: object) -> KeyValue:
-    """An OTLP attribute; a list becomes an array of ints."""
+    """An OTLP attribute; a list becomes an array of its items (bools, ints or texts)."""
     kv = KeyValue(key=key)
     if isinstance(value, bool):
         kv.value.bool_value = value
@@ -19,7 +19,7 @@ def key_value(key: str, value: object) -> KeyValue:
         kv.value.double_value = value
     elif isinstance(value, list):
         for item in value:
-            kv.value.array_value.values.add().int_value = item
+            kv.value.array_value.values.append(key_value("", item).value)
     else:
         kv.value.string_value = str(value)
     return kv

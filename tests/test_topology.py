@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
 import pytest
 
-from omni_watchdog.topology import TopologyError, default_topology, load_topology
-from omni_watchdog.types import StageRef
+from omni_watchdog import pipeline_report
+from omni_watchdog.topology import (
+    MAX_CONFIG_BYTES,
+    MAX_REPLICAS,
+    MAX_STAGE_REPLICAS,
+    MAX_STAGES,
+    TopologyError,
+    default_topology,
+    load_topology,
+    observed_topology,
+    replaces,
+    reported_topology,
+)
+from omni_watchdog.types import Stage, StageRef, Topology, TopologyOrigin
 
 EXAMPLES = resources.files("omni_watchdog") / "examples"
 
@@ -157,3 +170,152 @@ def test_broken_files_name_the_file_and_the_field(tmp_path: Path, text: str, mes
 def test_a_missing_file_is_a_topology_error(tmp_path: Path) -> None:
     with pytest.raises(TopologyError, match=r"^absent\.yaml: cannot read"):
         load_topology(tmp_path / "absent.yaml")
+
+
+# ---- topologies learned from a running server -------------------------------------------
+
+PLUGIN_REPORT = {
+    pipeline_report.STAGE_IDS: [0, 1, 2],
+    pipeline_report.STAGE_NAMES: ["thinker", "talker", "code2wav"],
+    pipeline_report.STAGE_REPLICAS: [1, 2, 1],
+    pipeline_report.STAGE_INPUTS: ["", "0", "1"],
+    pipeline_report.STAGE_FINAL_OUTPUT: [True, False, True],
+}
+
+
+def learned(origin: TopologyOrigin, *replicas: int) -> Topology:
+    stages = tuple(Stage(i, f"stage{i}", replicas=n) for i, n in enumerate(replicas))
+    return Topology(stages=stages, source=origin.name.lower(), origin=origin)
+
+
+@pytest.mark.parametrize(
+    ("current", "offered", "replaced"),
+    [
+        (default_topology(), learned(TopologyOrigin.METRICS, 1, 1), True),
+        (learned(TopologyOrigin.METRICS, 1, 1), learned(TopologyOrigin.TITLES, 1, 1), True),
+        (learned(TopologyOrigin.TITLES, 1, 1), learned(TopologyOrigin.METRICS, 1, 2), False),
+        (learned(TopologyOrigin.TITLES, 1), learned(TopologyOrigin.SERVER_CONFIG, 1), True),
+        (learned(TopologyOrigin.SERVER_CONFIG, 1), learned(TopologyOrigin.PLUGIN, 1), True),
+        (learned(TopologyOrigin.PLUGIN, 1, 1), learned(TopologyOrigin.SERVER_CONFIG, 1), False),
+        (learned(TopologyOrigin.PLUGIN, 1, 1), learned(TopologyOrigin.PLUGIN, 1, 1), False),
+        (learned(TopologyOrigin.PLUGIN, 1, 1), learned(TopologyOrigin.PLUGIN, 1, 2), True),
+        (learned(TopologyOrigin.TITLES, 1), learned(TopologyOrigin.TITLES, 1, 1), True),
+        (learned(TopologyOrigin.EXPLICIT, 1), learned(TopologyOrigin.PLUGIN, 1, 1), False),
+        (learned(TopologyOrigin.EXPLICIT, 1), default_topology(), False),
+        (learned(TopologyOrigin.METRICS, 1), default_topology(), False),
+    ],
+)
+def test_a_better_informed_topology_replaces_a_poorer_one_never_a_given_one(
+    current: Topology, offered: Topology, replaced: bool
+) -> None:
+    assert replaces(current, offered) is replaced
+
+
+def test_a_config_file_is_given_unless_said_otherwise() -> None:
+    assert load_topology(example("qwen2_5_omni_0.11.yaml")).origin is TopologyOrigin.EXPLICIT
+    assert default_topology().origin is TopologyOrigin.DEFAULT
+
+
+def test_observed_stages_count_replicas_up_to_the_highest_and_guess_no_edges() -> None:
+    refs = [StageRef(1, 1), StageRef(0, 0), StageRef(1, 0), StageRef(1, 1)]
+    topology = observed_topology(refs, TopologyOrigin.TITLES, "titles")
+    assert topology is not None
+    assert topology.source == "titles"
+    assert topology.origin is TopologyOrigin.TITLES
+    assert [(s.stage_id, s.name, s.replicas) for s in topology.stages] == [
+        (0, "stage0", 1),
+        (1, "stage1", 2),
+    ]
+    assert all(not s.upstream and not s.downstream for s in topology.stages)
+
+
+@pytest.mark.parametrize(
+    "refs",
+    [
+        [],
+        [StageRef(-1)],
+        [StageRef(0, MAX_REPLICAS)],
+        [StageRef(stage) for stage in range(MAX_STAGES + 1)],
+        [StageRef(stage, MAX_REPLICAS - 1) for stage in range(MAX_STAGE_REPLICAS // 64 + 1)],
+    ],
+    ids=["none", "negative id", "replica past the bound", "too many stages", "too many replicas"],
+)
+def test_observed_stages_past_the_bounds_make_no_topology(refs: list[StageRef]) -> None:
+    assert observed_topology(refs, TopologyOrigin.METRICS, "metrics") is None
+
+
+def test_a_plugin_report_becomes_the_pipelines_graph() -> None:
+    topology = reported_topology(PLUGIN_REPORT)
+    assert topology.source == "plugin"
+    assert topology.origin is TopologyOrigin.PLUGIN
+    assert [(s.stage_id, s.name, s.replicas, s.final_output) for s in topology.stages] == [
+        (0, "thinker", 1, True),
+        (1, "talker", 2, False),
+        (2, "code2wav", 1, True),
+    ]
+    assert [(s.upstream, s.downstream) for s in topology.stages] == [
+        ((), (1,)),
+        ((0,), (2,)),
+        ((1,), ()),
+    ]
+
+
+def test_the_plugins_encoding_reads_back_as_the_same_stages() -> None:
+    topology = reported_topology(PLUGIN_REPORT)
+    assert reported_topology(pipeline_report.encode_report(topology.stages)) == topology
+
+
+def _report(**changes: object) -> dict[str, object]:
+    keys = {
+        "ids": pipeline_report.STAGE_IDS,
+        "names": pipeline_report.STAGE_NAMES,
+        "replicas": pipeline_report.STAGE_REPLICAS,
+        "inputs": pipeline_report.STAGE_INPUTS,
+        "finals": pipeline_report.STAGE_FINAL_OUTPUT,
+    }
+    report: dict[str, object] = dict(PLUGIN_REPORT)
+    for short, value in changes.items():
+        if value is None:
+            del report[keys[short]]
+        else:
+            report[keys[short]] = value
+    return report
+
+
+@pytest.mark.parametrize(
+    ("report", "message"),
+    [
+        (_report(ids=None), "stage_ids: expected a list"),
+        (_report(ids=[]), "expected 1 to 64 stages"),
+        (_report(ids=list(range(MAX_STAGES + 1))), "expected 1 to 64 stages"),
+        (_report(names=["a", "b"]), "stage_names: 2 items for 3 stages"),
+        (_report(ids=[0, 1, 1]), "duplicate stage id 1"),
+        (_report(ids=[0, -1, 2]), "stages[1].stage_id: expected a stage id"),
+        (_report(ids=[0, "1", 2]), "stages[1].stage_id: expected an integer"),
+        (_report(names=["thinker", "", "x"]), "stages[1].name"),
+        (_report(names=["thinker", "t" * 65, "x"]), "stages[1].name"),
+        (_report(names=["thinker", "a\nb", "x"]), "stages[1].name: expected printable"),
+        (_report(replicas=[1, 0, 1]), "stages[1].num_replicas: must be from 1 to 64"),
+        (_report(replicas=[1, MAX_REPLICAS + 1, 1]), "must be from 1 to 64"),
+        (_report(inputs=["", "7", "1"]), "unknown stage 7"),
+        (_report(inputs=["", "0;1", "1"]), "expected stage ids like '0,1'"),
+        (_report(inputs=["", "0," * 200, "1"]), "expected stage ids like '0,1'"),
+        (_report(finals=[True, "yes", True]), "stages[1].final_output"),
+    ],
+)
+def test_a_malformed_plugin_report_names_what_is_wrong(
+    report: dict[str, object], message: str
+) -> None:
+    with pytest.raises(TopologyError, match=re.escape(message)):
+        reported_topology(report)
+
+
+def test_a_stage_config_past_the_size_bound_is_not_read(tmp_path: Path) -> None:
+    path = write(tmp_path, "stage_args: []\n" + "#" * MAX_CONFIG_BYTES)
+    with pytest.raises(TopologyError, match=r"talker\.yaml: over"):
+        load_topology(path)
+
+
+def test_a_config_read_for_the_server_names_where_it_came_from() -> None:
+    topology = load_topology(example("qwen2_5_omni_0.11.yaml"), source="cmdline:/cfg.yaml")
+    assert topology.source == "cmdline:/cfg.yaml"

@@ -126,6 +126,25 @@ class Detector:
         self._unhealthy_signs: list[tuple[float, str]] = []
         self._last_progress: float | None = None
 
+    def set_topology(self, topology: Topology, now: float) -> None:
+        """Judge the stages of `topology` from now on, keeping what is known of every stage
+        replica that stays. One it drops is kept while it shows a signal of its own (a
+        process, a heartbeat, progress): it is real, even if no source names it."""
+        self._topology = topology
+        kept = {
+            ref: memory
+            for ref, memory in self._stages.items()
+            if memory.last_heartbeat is not None
+            or memory.progress_value is not None
+            or memory.processes
+        }
+        refs = topology.refs()
+        self._stages = {ref: self._stages.get(ref) or _StageMemory(since=now) for ref in refs}
+        self._stages |= {ref: memory for ref, memory in kept.items() if ref not in refs}
+        self._names = {ref: self._stage_name(ref) for ref in self._stages}
+        self._names_of_topology = frozenset(topology.refs())
+        self._pid_stage = {pid: ref for pid, ref in self._pid_stage.items() if ref in self._stages}
+
     # ---- observations -------------------------------------------------------------
 
     def observe(self, observations: Iterable[Observation]) -> None:
@@ -143,7 +162,7 @@ class Detector:
     def _on_admitted(self, obs: Observation) -> None:
         self._pending.admit(obs.request_id, obs.path, obs.time)
 
-    def _on_abandoned(self, obs: Observation) -> None:
+    def _on_request_ended(self, obs: Observation) -> None:
         self._pending.abandon(obs.request_id)
 
     def _on_stage_span(self, obs: Observation) -> None:
@@ -224,7 +243,7 @@ class Detector:
         if info.stage is None:
             return
         previous = self._pid_stage.get(info.pid)
-        if previous is not None and previous != info.stage:
+        if previous is not None and previous != info.stage and previous in self._stages:
             # Mapped by spawn order first, by title or spans later: the later map wins.
             self._stages[previous].processes.pop(info.pid, None)
         self._pid_stage[info.pid] = info.stage
@@ -259,7 +278,8 @@ class Detector:
     _HANDLERS = {
         ObservationKind.HEARTBEAT: _on_heartbeat,
         ObservationKind.REQUEST_ADMITTED: _on_admitted,
-        ObservationKind.REQUEST_ABANDONED: _on_abandoned,
+        ObservationKind.REQUEST_ABANDONED: _on_request_ended,
+        ObservationKind.REQUEST_FINISHED: _on_request_ended,
         ObservationKind.STAGE_SPAN: _on_stage_span,
         ObservationKind.PROGRESS: _on_progress,
         ObservationKind.LOAD: _on_load,

@@ -95,7 +95,8 @@ class PendingRequests:
         self._enqueue(PendingRequest(request_id, pending.path, position, now))
 
     def abandon(self, request_id: str) -> None:
-        """The pipeline gave the request up: no stage owes a span for it any more."""
+        """The pipeline gave the request up, or is done with it: no stage owes a span for
+        it any more."""
         pending = self._where.get(request_id)
         if pending is not None:
             self._dequeue(pending)

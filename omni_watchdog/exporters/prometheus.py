@@ -375,6 +375,8 @@ class MetricsExposition:
         # Label text is made once per stage: formatting it on every scrape was most of the cost.
         self._replica_lines: dict[StageRef, _ReplicaLines] = {}
         self._stage_lines: dict[int, _StageLines] = {}
+        # The topology those labels were made for: a stage learned later may be renamed.
+        self._labelled_topology = watchdog.topology
         self._empty_durations = Histogram(STAGE_DURATION_BUCKETS)
         self._empty_steps = Histogram(LADDER_STEP_BUCKETS)
         self._step_lines = {
@@ -391,6 +393,10 @@ class MetricsExposition:
 
     def render(self) -> bytes:
         """The whole exposition, as the body of a scrape."""
+        if self._watchdog.topology is not self._labelled_topology:
+            self._labelled_topology = self._watchdog.topology
+            self._stage_lines.clear()
+            self._replica_lines.clear()
         out: list[str] = []
         self._target(out)
         self._probes(out)

@@ -53,6 +53,11 @@ class ShutdownAuthority:
         env = os.environ if environ is None else environ
         return cls(env.get(ADMIN_TOKEN_ENV, "").strip() or None)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether a token is configured, that is whether shutdown can ever be accepted."""
+        return self._token is not None
+
     def answer(self, authorization: str | None) -> AdminAnswer:
         """403 without a configured token, 401 without the right bearer token, else 202."""
         if self._token is None:

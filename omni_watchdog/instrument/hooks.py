@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_watchdog.instrument.telemetry import StageTelemetry
+from omni_watchdog.types import Stage
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class HookContext:
         self._heartbeat_tasks: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, asyncio.Task[None]
         ] = weakref.WeakKeyDictionary()
+        self._topology_tasks: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, asyncio.Task[None]
+        ] = weakref.WeakKeyDictionary()
 
     def telemetry(self, identity: ProcessIdentity | None = None) -> StageTelemetry:
         """This process's telemetry for `identity` (default: what the process is), made once."""
@@ -80,6 +84,20 @@ class HookContext:
             return
         self._heartbeat_tasks[loop] = loop.create_task(
             telemetry.heartbeat_loop(), name="omni-watchdog-heartbeat"
+        )
+
+    def ensure_topology_reports(
+        self, telemetry: StageTelemetry, read_stages: Callable[[], tuple[Stage, ...]]
+    ) -> None:
+        """Run one topology-reporting task on the running event loop, if it has none."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if not telemetry.enabled or loop in self._topology_tasks:
+            return
+        self._topology_tasks[loop] = loop.create_task(
+            telemetry.topology_loop(read_stages), name="omni-watchdog-topology"
         )
 
 
@@ -212,7 +230,8 @@ def install_engine_core_loop(context: HookContext) -> bool:
 
 
 def install_omni030_orchestrator(context: HookContext) -> bool:
-    """vLLM-Omni 0.30 orchestrator: admitted spans, stage spans, its loop's heartbeat.
+    """vLLM-Omni 0.30 orchestrator: admitted spans, stage spans, its loop's heartbeat, and
+    the pipeline it runs (`pipeline_stages`), reported from its loop every little while.
 
     Checked against vLLM-Omni 0.30.0 `vllm_omni.engine.orchestrator`: requests enter in
     `Orchestrator._handle_add_request(msg)` (`msg.request_id`, `msg.final_stage_id`),
@@ -220,7 +239,9 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
     replica_id, outputs)` with the submit time in `request_states[id].stage_submit_ts`,
     every request leaves through `OrchestratorBase._cleanup_request_ids(request_ids, *,
     abort=...)`, with `abort=True` when a client went away, a stage failed or a replica was
-    lost (the stages then drop it and send nothing more), and `OrchestratorBase.run()` is
+    lost (the stages then drop it and send nothing more) and without it once it is done,
+    its last stage's processed output or not (`_finish_raw_terminal_requests` ends one
+    whose last stage produced none), and `OrchestratorBase.run()` is
     the coroutine of the orchestrator's own event loop.
     """
     orchestrator = ProcessIdentity("orchestrator")
@@ -271,23 +292,32 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
         async def _cleanup_request_ids(
             self: Any, request_ids: Any, *args: Any, **kwargs: Any
         ) -> Any:
-            if kwargs.get("abort"):
-                _quietly(abandon, request_ids)
+            _quietly(end, request_ids, bool(kwargs.get("abort")))
             return await original(self, request_ids, *args, **kwargs)
 
         return _cleanup_request_ids
 
-    def abandon(request_ids: Any) -> None:
+    def end(request_ids: Any, abort: bool) -> None:
         telemetry = context.telemetry(orchestrator)
         for request_id in request_ids:
-            telemetry.request_abandoned(str(request_id))
+            if abort:
+                telemetry.request_abandoned(str(request_id))
+            else:
+                telemetry.request_finished(str(request_id))
 
     def make_run(original: Callable[..., Any]) -> Callable[..., Any]:
         async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             context.ensure_loop_heartbeat(context.telemetry(orchestrator))
+            _quietly(report_topology, self)
             return await original(self, *args, **kwargs)
 
         return run
+
+    def report_topology(self: Any) -> None:
+        known: dict[int, Stage] = {}
+        context.ensure_topology_reports(
+            context.telemetry(orchestrator), lambda: pipeline_stages(self, known)
+        )
 
     module = "vllm_omni.engine.orchestrator"
     checked = "vLLM-Omni 0.30.0"
@@ -304,6 +334,46 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
             wrap_attribute(module, "OrchestratorBase.run", make_run, checked),
         ]
     )
+
+
+# What the report says of a stage whose replicas are all gone, before one was ever seen.
+_UNNAMED_STAGE = "stage{}"
+
+
+def pipeline_stages(orchestrator: Any, known: dict[int, Stage]) -> tuple[Stage, ...]:
+    """The stages a vLLM-Omni 0.30 orchestrator runs, read from its stage pools.
+
+    Checked against vLLM-Omni 0.30.0: `Orchestrator.stage_pools` holds one `StagePool` per
+    stage, indexed by stage id; `num_replicas` counts its replica slots, evicted ones (left
+    as holes) included; `stage_client` is the first live replica's client, None when none
+    is live (all evicted, or on another host), which carries the stage's `model_stage`,
+    `engine_input_source` and `final_output`. What a live client said is kept in `known`,
+    so the report does not forget a stage's name and inputs once its replicas are gone.
+    """
+    stages: list[Stage] = []
+    for stage_id, pool in enumerate(orchestrator.stage_pools):
+        # A stage served from another host may have no slot here yet; it is a stage still.
+        replicas = max(1, int(pool.num_replicas))
+        client = pool.stage_client
+        if client is not None:
+            name = str(getattr(client, "model_stage", None) or _UNNAMED_STAGE.format(stage_id))
+            known[stage_id] = Stage(
+                stage_id,
+                name,
+                upstream=tuple(int(s) for s in getattr(client, "engine_input_source", ()) or ()),
+                final_output=bool(getattr(client, "final_output", False)),
+            )
+        seen = known.get(stage_id, Stage(stage_id, _UNNAMED_STAGE.format(stage_id)))
+        stages.append(
+            Stage(
+                stage_id,
+                seen.name,
+                replicas=replicas,
+                upstream=seen.upstream,
+                final_output=seen.final_output,
+            )
+        )
+    return tuple(stages)
 
 
 def instrument_omni011_stage(context: HookContext, omni_stage: Any, stage_id: int) -> None:
@@ -373,7 +443,7 @@ def install_omni011_stage_worker(context: HookContext, process: Any) -> bool:
     return hooked
 
 
-def install_omni011_api(context: HookContext) -> bool:
+def install_omni011_api(context: HookContext, *, admits: bool = True) -> bool:
     """vLLM-Omni 0.11 API server: `AsyncOmni.generate(prompt, request_id, ...)`.
 
     Checked against vLLM-Omni 0.11.0rc1 `vllm_omni/entrypoints/async_omni.py`: every
@@ -382,12 +452,19 @@ def install_omni011_api(context: HookContext) -> bool:
     before its end (the client went away, a stage failed) sends nothing to the stages
     after the current one. The first call also starts the API loop's heartbeat (the loop
     that 0.11 starves).
+
+    vLLM-Omni 0.30 still has this generator, above its orchestrator, which admits every
+    request itself under an internal id (`install_omni030_orchestrator`): there
+    `admits=False` keeps only the heartbeat. Admitted here too, each request would be
+    owed twice, once under an id no stage ever reports (seen on the real server: the
+    thinker judged stalled under load).
     """
     api = ProcessIdentity("api")
 
     def make_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         async def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            request_id = kwargs.get("request_id", args[1] if len(args) > 1 else None)
+            found = kwargs.get("request_id", args[1] if len(args) > 1 else None)
+            request_id = found if admits else None
             _quietly(admit, self, request_id)
             outputs = original(self, *args, **kwargs)
             completed = False
@@ -417,25 +494,28 @@ def install_omni011_api(context: HookContext) -> bool:
         "vllm_omni.entrypoints.async_omni",
         "AsyncOmni.generate",
         make_wrapper,
-        "vLLM-Omni 0.11.0rc1",
+        "vLLM-Omni 0.11.0rc1, 0.30.0",
     )
 
 
-# Modules whose `build_app(args)` builds the API server's FastAPI app in a vLLM that has no
-# `vllm.endpoint_plugins` group (0.11, under vLLM-Omni 0.11, imports it by name).
-BUILD_APP_MODULES = (
-    "vllm.entrypoints.openai.api_server",
-    "vllm_omni.entrypoints.openai.api_server",
+# Where vLLM's OpenAI app is built, as (module, function): vLLM 0.11's own; vLLM-Omni 0.11,
+# which imports it by name; vLLM-Omni 0.30, which imports it as `build_openai_app`.
+BUILD_APP_FUNCTIONS = (
+    ("vllm.entrypoints.openai.api_server", "build_app"),
+    ("vllm_omni.entrypoints.openai.api_server", "build_app"),
+    ("vllm_omni.entrypoints.openai.api_server", "build_openai_app"),
 )
 
 
-def install_legacy_build_app(add_route: Callable[[Any], None]) -> bool:
-    """Add the admin route to the app from `build_app` where vLLM has no endpoint plugins.
+def install_build_app_route(add_route: Callable[[Any], None]) -> bool:
+    """Add the admin route to the app from the function that builds it.
 
     Checked against vLLM 0.11 (`vllm.entrypoints.openai.api_server.build_app(args)`,
-    called by `run_server_worker`) and vLLM-Omni 0.11.0rc1, which imports it into
-    `vllm_omni.entrypoints.openai.api_server`. Only modules already imported are patched:
-    this runs in every vLLM process, and the API server has imported them by then.
+    called by `run_server_worker`), vLLM-Omni 0.11.0rc1, which imports it into
+    `vllm_omni.entrypoints.openai.api_server`, and vLLM-Omni 0.30.0, which imports vLLM's
+    `build_app` there as `build_openai_app` and calls it from `omni_run_server_worker`.
+    Only modules already imported are patched: this runs in every vLLM process, and the
+    API server has imported them by then.
     """
 
     def make_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -449,11 +529,13 @@ def install_legacy_build_app(add_route: Callable[[Any], None]) -> bool:
     loaded: dict[str, Any] = dict(sys.modules)
     main = loaded.get("__main__")
     main_name = getattr(getattr(main, "__spec__", None), "name", None)
-    if main_name in BUILD_APP_MODULES:
+    if main_name in {module for module, _ in BUILD_APP_FUNCTIONS}:
         loaded[main_name] = main
     hooked = [
-        wrap_attribute(name, "build_app", make_wrapper, "vLLM 0.11", modules=loaded)
-        for name in BUILD_APP_MODULES
-        if name in loaded
+        wrap_attribute(
+            module, function, make_wrapper, "vLLM 0.11, vLLM-Omni 0.30.0", modules=loaded
+        )
+        for module, function in BUILD_APP_FUNCTIONS
+        if module in loaded and hasattr(loaded[module], function)
     ]
     return any(hooked)

@@ -21,7 +21,11 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from omni_watchdog.instrument import hooks
-from omni_watchdog.instrument.admin import ADMIN_SHUTDOWN_PATH, add_fastapi_admin_route
+from omni_watchdog.instrument.admin import (
+    ADMIN_SHUTDOWN_PATH,
+    ShutdownAuthority,
+    add_fastapi_admin_route,
+)
 from omni_watchdog.instrument.hooks import HookContext, ProcessIdentity
 from omni_watchdog.instrument.telemetry import StageTelemetry
 
@@ -118,12 +122,24 @@ class Plugin:
             candidates["omni030_orchestrator"] = lambda: hooks.install_omni030_orchestrator(
                 self.context
             )
-            candidates["omni011_api"] = lambda: hooks.install_omni011_api(self.context)
-        if identity.kind == "api" and not _has_endpoint_plugins():
-            candidates["legacy_build_app"] = lambda: hooks.install_legacy_build_app(
+            # Under 0.30 the orchestrator admits every request: the API hook only beats.
+            candidates["omni011_api"] = lambda: hooks.install_omni011_api(
+                self.context, admits="omni030_orchestrator" not in self.installed
+            )
+        if identity.kind == "api" and (
+            not _has_endpoint_plugins() or ShutdownAuthority.from_environment(self._environ).enabled
+        ):
+            # A configured admin token is the operator's request for the route: it needs no
+            # `VLLM_PLUGINS` list, which would also drop every plugin it does not name
+            # (vLLM-Omni's models, an out-of-tree platform). vLLM-Omni 0.30 never calls an
+            # endpoint plugin's `init_state` anyway.
+            candidates["build_app_route"] = lambda: hooks.install_build_app_route(
                 attach_admin_route
             )
-        self.installed = [name for name, install in candidates.items() if _safely(install)]
+        self.installed = []
+        for name, install in candidates.items():
+            if _safely(install):
+                self.installed.append(name)
         logger.info(
             "omni-watchdog: %s process (stage %s, replica %s), hooks: %s",
             identity.kind,

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback as traceback_module
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from urllib.parse import urlsplit
 
@@ -26,8 +26,9 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags, get_current_span
 from opentelemetry.util.types import AttributeValue
 
-from omni_watchdog import __version__, process_start
+from omni_watchdog import __version__, pipeline_report, process_start
 from omni_watchdog.instrument.export import WatchdogSpanExporter
+from omni_watchdog.types import Stage
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,12 @@ PROCESS_KINDS = frozenset({"api", "stage", "engine", "worker", "orchestrator"})
 
 ADMITTED_SPAN = "omni.request.admitted"
 ABANDONED_SPAN = "omni.request.abandoned"
+FINISHED_SPAN = "omni.request.finished"
 STAGE_REQUEST_SPAN = "omni.stage.request"
 LOOP_SPAN = "omni.stage.loop"
+# The watchdog may start (or restart) after the server: the pipeline is told again this
+# often, and a replica the server adds shows within this time.
+TOPOLOGY_INTERVAL_S = 10.0
 _SCOPE = InstrumentationScope("omni_watchdog.instrument", __version__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET = Status(StatusCode.UNSET)
@@ -60,6 +65,11 @@ MAX_EXPORT_BATCH_SIZE = 512
 # Short enough that the SDK's exporter never retries with back-off (its first back-off is
 # 1 s and it does not retry past its deadline), so one dead collector costs 0.5 s a batch.
 EXPORT_TIMEOUT_S = 0.5
+# The watchdog's receiver answers in milliseconds, but a loaded host can hold it up: under
+# three real vLLM-Omni stages on two cores it took over 0.5 s, and a batch that times out
+# is lost with the stage spans and request ends in it, which the watchdog then waits for
+# in vain. One batch in flight at a time, on the exporter's own thread, whatever it costs.
+WATCHDOG_EXPORT_TIMEOUT_S = 5.0
 
 
 class _SpanLedger:
@@ -356,6 +366,21 @@ class StageTelemetry:
         except Exception:
             logger.debug("could not emit an abandoned span", exc_info=True)
 
+    def request_finished(self, request_id: str) -> None:
+        """The pipeline is done with a request: no stage owes a span for it any more.
+
+        vLLM-Omni 0.30 can finish a request's last stage without a processed output (a
+        "raw terminal"), which no stage span reports; without this the watchdog would wait
+        for that stage's span, and judge the stage stalled once the wait ran out.
+        """
+        if self._processor is None:
+            return
+        try:
+            now = time.time_ns()
+            self.emit(FINISHED_SPAN, self.span_attributes(request_id), now, now)
+        except Exception:
+            logger.debug("could not emit a finished span", exc_info=True)
+
     def stage_request(self, request_id: str) -> AbstractContextManager[None]:
         """A span around this stage's work on one request."""
         if self._processor is None:
@@ -407,6 +432,34 @@ class StageTelemetry:
         except Exception:
             logger.debug("could not emit a heartbeat", exc_info=True)
 
+    def report_topology(self, stages: Sequence[Stage]) -> None:
+        """One `omni.pipeline.topology` span now: the stage graph this process runs."""
+        if self._processor is None:
+            return
+        try:
+            attributes: dict[str, AttributeValue] = dict(pipeline_report.encode_report(stages))
+            now = time.time_ns()
+            self.emit(pipeline_report.TOPOLOGY_SPAN, attributes, now, now, root=True)
+        except Exception:
+            logger.debug("could not report the topology", exc_info=True)
+
+    async def topology_loop(
+        self, read_stages: Callable[[], Sequence[Stage]], interval: float = TOPOLOGY_INTERVAL_S
+    ) -> None:
+        """Report the stages `read_stages` finds now and every `interval`, forever; a read
+        that fails or finds none reports nothing that time."""
+        if self._processor is None:
+            return
+        while True:
+            stages: Sequence[Stage] = ()
+            try:
+                stages = read_stages()
+            except Exception:
+                logger.debug("could not read the pipeline's stages", exc_info=True)
+            if stages:
+                self.report_topology(stages)
+            await asyncio.sleep(interval)
+
     async def heartbeat_loop(self, interval: float | None = None) -> None:
         """Beat forever on the running event loop, so the beats stop exactly when it blocks."""
         if self._processor is None:
@@ -450,7 +503,7 @@ def _exporter(environ: Mapping[str, str]) -> SpanExporter | None:
     own = _own_endpoint(environ)
     if own is not None:
         token = environ.get(TOKEN_ENV, "").strip()
-        return WatchdogSpanExporter(own, timeout_s=EXPORT_TIMEOUT_S, token=token)
+        return WatchdogSpanExporter(own, timeout_s=WATCHDOG_EXPORT_TIMEOUT_S, token=token)
     standard = traces_endpoint(environ)
     if standard is None:
         return None

@@ -1,4 +1,5 @@
-"""The /metrics probe: per-stage progress counters and load gauges from the server's page."""
+"""The /metrics probe: per-stage progress counters and load gauges from the server's page,
+and the stage replicas its `stage`/`replica` labels name (vLLM-Omni 0.30 labels them)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from dataclasses import dataclass
 import aiohttp
 
 from omni_watchdog.config import ProbesConfig
-from omni_watchdog.types import Clock, Observation, ObservationKind, ProbeError, StageRef
+from omni_watchdog.topology import MAX_STAGE_REPLICAS, observed_topology
+from omni_watchdog.types import (
+    Clock,
+    Observation,
+    ObservationKind,
+    ProbeError,
+    StageRef,
+    TopologyOrigin,
+)
 
 PROGRESS_SERIES = frozenset(
     {
@@ -136,6 +145,9 @@ class MetricsProbe:
         # by adding each series' increase since the last scrape, so it never goes back.
         self._last_counter: dict[tuple[str, LabelSet], float] = {}
         self._progress: dict[StageRef, float] = {}
+        # Every stage replica a label named so far: one whose series vanish (an evicted
+        # replica) stays in the topology, to be judged.
+        self._labelled: set[StageRef] = set()
 
     async def collect(self) -> Sequence[Observation]:
         page = await self._fetch()
@@ -154,7 +166,24 @@ class MetricsProbe:
             Observation(ObservationKind.LOAD, now, stage=stage, value=value)
             for stage, value in sorted(load.items())
         )
+        observations.extend(self._labelled_topology(samples, now))
         return observations
+
+    def _labelled_topology(self, samples: list[Sample], now: float) -> list[Observation]:
+        """A TOPOLOGY observation when the `stage` labels name a stage replica not named
+        before; plain vLLM labels none and gets none."""
+        named = {
+            StageRef(int(sample.labels["stage"]), int(sample.labels.get("replica", "0")))
+            for sample in samples
+            if "stage" in sample.labels
+        }
+        if named <= self._labelled or len(self._labelled | named) > MAX_STAGE_REPLICAS:
+            return []
+        self._labelled |= named
+        topology = observed_topology(self._labelled, TopologyOrigin.METRICS, "metrics")
+        if topology is None:
+            return []
+        return [Observation(ObservationKind.TOPOLOGY, now, topology=topology)]
 
     async def _fetch(self) -> str:
         try:
@@ -175,6 +204,8 @@ class MetricsProbe:
         stage_waiting: dict[StageRef, float] = {}
         progress = dict(self._progress)
         seen_progress: set[StageRef] = set()
+        moved: set[StageRef] = set()
+        unrefreshed: set[StageRef] = set()
         counters: dict[tuple[str, LabelSet], float] = {}
         for sample in samples:
             stage = stage_of_labels(sample.name, sample.labels)
@@ -187,12 +218,27 @@ class MetricsProbe:
                 progress[stage] = progress.get(stage, 0.0) + increase
                 counters[key] = sample.value
                 seen_progress.add(stage)
-            elif sample.name in ENGINE_LOAD_SERIES:
+                if increase > 0:
+                    moved.add(stage)
+                continue
+            if "stage" in sample.labels:
+                unrefreshed.add(stage)
+            if sample.name in ENGINE_LOAD_SERIES:
                 engine_load[stage] = engine_load.get(stage, 0.0) + sample.value
             else:
                 stage_waiting[stage] = stage_waiting.get(stage, 0.0) + sample.value
         self._last_counter = counters
         self._progress = progress
+        # vLLM-Omni sets a stage's gauges from the scheduler's counts in each output batch
+        # of that stage, and sends no batch once its last request is done: an idle stage
+        # keeps the counts of its last batch (one running request on every stage of an
+        # idle 0.30 server, measured). They say something only when a batch came since the
+        # last scrape, which moves the stage's counters; otherwise they are left out, and
+        # the detector's load for the stage goes stale. Plain vLLM's engines report their
+        # counts when they go idle too, so their gauges always count.
+        stale = unrefreshed - moved
+        engine_load = {s: v for s, v in engine_load.items() if s not in stale}
+        stage_waiting = {s: v for s, v in stage_waiting.items() if s not in stale}
         # stage_waiting_requests sums the waiting queues of all of a stage's replicas, which
         # the engines' own per-replica gauges already count; it has no replica label, so it
         # only stands in for a stage whose engines report nothing themselves.

@@ -19,6 +19,7 @@ from typing import Any
 
 from omni_watchdog import process_start
 from omni_watchdog.redact import redact_argv
+from omni_watchdog.topology import observed_topology
 from omni_watchdog.types import (
     Clock,
     Observation,
@@ -30,6 +31,7 @@ from omni_watchdog.types import (
     ProcessStatus,
     StageRef,
     Topology,
+    TopologyOrigin,
 )
 
 STAGE_ENGINE_TITLE = re.compile(r"VLLM::StageEngineCoreProc_stage(\d+)_replica(\d+)")
@@ -96,6 +98,7 @@ class _Scan:
     tree: list[_Snapshot] | None = None
     outside: dict[ProcessIdentity, _Snapshot | None] = field(default_factory=dict)
     new_tree: list[_Snapshot] | None = None
+    server_topology: Topology | None = None
 
 
 @dataclass
@@ -104,6 +107,7 @@ class _Generation:
 
     root: ProcessIdentity
     records: dict[ProcessIdentity, ProcessInfo] = field(default_factory=dict)
+    titled: frozenset[StageRef] = frozenset()
 
     def live(self) -> list[ProcessInfo]:
         return [info for info in self.records.values() if info.status != ProcessStatus.EXITED]
@@ -126,6 +130,7 @@ class ProcessTracker:
         process_groups: Callable[[int], tuple[int, int]] = os_process_groups,
         start_time: Callable[[int], float] = process_start.start_time,
         start_time_of_ticks: Callable[[int], float] = process_start.start_time_of_ticks,
+        server_topology: Callable[[int], Topology | None] = lambda pid: None,
     ) -> None:
         if pid is None and target_port is None:
             raise ValueError("ProcessTracker needs the server's pid or its port")
@@ -138,6 +143,7 @@ class ProcessTracker:
         self._process_groups = process_groups
         self._start_time = start_time
         self._start_time_of_ticks = start_time_of_ticks
+        self._server_topology = server_topology
         self._current: _Generation | None = None
         self._previous: _Generation | None = None
         self._learned: dict[int, tuple[StageRef, ProcessRole | None]] = {}
@@ -204,6 +210,11 @@ class ProcessTracker:
         """A live recorded process of this generation serves the stage replica."""
         return any(info.stage == stage for info in self.live())
 
+    def set_topology(self, topology: Topology) -> None:
+        """Map processes (0.11's untitled stage workers by spawn order) and judge spans
+        against this topology from the next scan on."""
+        self._topology = topology
+
     def learn_stage(self, pid: int, stage: StageRef, process_kind: str | None) -> None:
         """Map a pid to a stage from span resource attributes; this beats titles and order."""
         role = ROLE_OF_KIND.get(process_kind.lower()) if process_kind else None
@@ -241,6 +252,8 @@ class ProcessTracker:
             # A recorded survivor that still holds the old socket is not a new server.
             if found is not None and found != root and found not in recorded:
                 scan.new_tree = self._read_tree(found)
+                if scan.new_tree:
+                    scan.server_topology = self._server_topology(found.pid)
         return scan
 
     def _apply(self, scan: _Scan) -> list[Observation]:
@@ -256,6 +269,12 @@ class ProcessTracker:
             self._current = _Generation(scan.new_tree[0].identity)
             self.generation += 1
             observations.extend(self._update(self._current, scan.new_tree, {}, now))
+            if scan.server_topology is not None:
+                observations.append(
+                    Observation(ObservationKind.TOPOLOGY, now, topology=scan.server_topology)
+                )
+        if self._current is not None:
+            observations.extend(self._titled_topology(self._current, now))
         root = self.root
         self.target_alive = root is not None and root.status not in (
             ProcessStatus.EXITED,
@@ -322,6 +341,23 @@ class ProcessTracker:
                 generation.records[identity] = replace(
                     previous, status=snapshot.status, ppid=snapshot.ppid, orphaned=True
                 )
+
+    def _titled_topology(self, generation: _Generation, now: float) -> list[Observation]:
+        """A TOPOLOGY observation when the 0.30 stage replicas' titles name stages or
+        replicas not named before. Exited processes keep their titles in the records, so
+        a dead replica stays in the topology, to be judged dead."""
+        titled = frozenset(
+            ref
+            for info in generation.records.values()
+            if STAGE_ENGINE_TITLE.search(info.title) and (ref := _titled_stage(info.title))
+        )
+        if titled == generation.titled:
+            return []
+        generation.titled = titled
+        topology = observed_topology(titled, TopologyOrigin.TITLES, "titles")
+        if topology is None:
+            return []
+        return [Observation(ObservationKind.TOPOLOGY, now, topology=topology)]
 
     def _observation(self, info: ProcessInfo, now: float) -> Observation:
         return Observation(

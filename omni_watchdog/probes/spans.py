@@ -31,10 +31,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from omni_watchdog import pipeline_report
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.probes.span_store import (
     EMPTY_RESOURCE,
     GEN_AI_REQUEST_ID,
+    MAX_ATTRIBUTES,
     MAX_SPAN_BYTES,
     REQUEST_ID,
     STAGE_ID,
@@ -49,7 +51,15 @@ from omni_watchdog.probes.span_store import (
     compact_span,
     stage_of,
 )
-from omni_watchdog.types import Clock, Observation, ObservationKind, SpanSenders, StageRef
+from omni_watchdog.topology import MAX_STAGES, TopologyError, reported_topology
+from omni_watchdog.types import (
+    Clock,
+    Observation,
+    ObservationKind,
+    SpanSenders,
+    StageRef,
+    Topology,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +70,14 @@ JSON = "application/json"
 HEARTBEAT_SPAN = "omni.stage.loop"
 ADMITTED_SPAN = "omni.request.admitted"
 ABANDONED_SPAN = "omni.request.abandoned"
+FINISHED_SPAN = "omni.request.finished"
 STAGE_REQUEST_SPAN = "omni.stage.request"
 VLLM_REQUEST_SPAN = "llm_request"
 _STAGE_SPAN_NAMES = frozenset({STAGE_REQUEST_SPAN, VLLM_REQUEST_SPAN})
+_REQUEST_END_KINDS = {
+    ABANDONED_SPAN: ObservationKind.REQUEST_ABANDONED,
+    FINISHED_SPAN: ObservationKind.REQUEST_FINISHED,
+}
 
 # Plain vLLM sets no stage attributes: it is one stage.
 VLLM_DEFAULT_STAGE = StageRef(0, 0)
@@ -77,6 +92,8 @@ REJECTION_REASONS = (
     "unknown_sender",
     "unknown_stage",
     "body_timeout",
+    "body_incomplete",
+    "malformed_topology",
 )
 RESPONSE_STATUSES = (200, 400, 401, 404, 405, 408, 413, 415, 503)
 RETRY_AFTER_SECONDS = 1
@@ -339,6 +356,32 @@ def _stage_span(span: Any, stage: StageRef, found: Mapping[str, Any], now: float
     )
 
 
+_SCALAR_KINDS = frozenset({"string_value", "int_value", "bool_value"})
+
+
+def _reported_topology(span: Any) -> Topology | None:
+    """The topology an `omni.pipeline.topology` span reports, or None when it is malformed:
+    a list longer than `MAX_STAGES` is refused before a value of it is read."""
+    values: dict[str, object] = {}
+    for kv in span.attributes[:MAX_ATTRIBUTES]:
+        if kv.key not in pipeline_report.KEYS:
+            continue
+        if kv.value.WhichOneof("value") != "array_value":
+            return None
+        items = kv.value.array_value.values
+        if len(items) > MAX_STAGES:
+            return None
+        values[kv.key] = [
+            attribute_value(item) if item.WhichOneof("value") in _SCALAR_KINDS else None
+            for item in items
+        ]
+    try:
+        return reported_topology(values)
+    except TopologyError as error:
+        log.debug("topology report refused: %s", error)
+        return None
+
+
 def _error_detail(span: Any) -> str:
     """The status message, else the message of the span's exception event."""
     if span.status.message:
@@ -401,6 +444,12 @@ class SpanReceiver:
     own spans name no start: they count only as `llm_request` progress of a stage the
     tree already maps. Every span names a known stage or none. The rest is counted in
     `spans_rejected` by reason and never reaches the detector or the store.
+
+    The plugin's `omni.pipeline.topology` span becomes a TOPOLOGY observation only from
+    such a believed sender (a waiting one's once it is recorded), and only when it is
+    well-formed and within the topology bounds; else it is counted as
+    `malformed_topology`. Without a process table in view every sender is believed, as
+    for heartbeats: there the OTLP token is what keeps strangers out.
     """
 
     name = "spans"
@@ -634,6 +683,14 @@ class SpanReceiver:
                         # never a process's liveness or the requests it owes.
                         self._rejected["unknown_sender"] += 1
                         continue
+                    if name == pipeline_report.TOPOLOGY_SPAN:
+                        topology = _reported_topology(span)
+                        if topology is None:
+                            self._rejected["malformed_topology"] += 1
+                            continue
+                        gathered.append(
+                            Observation(ObservationKind.TOPOLOGY, now, topology=topology)
+                        )
                     counted += 1
                     kept.append((stage, span))
                     if name == HEARTBEAT_SPAN:
@@ -656,10 +713,10 @@ class SpanReceiver:
                                 path=_stage_path(found.get(STAGE_PATH)),
                             )
                         )
-                    elif name == ABANDONED_SPAN:
+                    elif name in _REQUEST_END_KINDS:
                         gathered.append(
                             Observation(
-                                ObservationKind.REQUEST_ABANDONED,
+                                _REQUEST_END_KINDS[name],
                                 now,
                                 stage=stage,
                                 request_id=_request_id(found, REQUEST_ID),
@@ -778,6 +835,12 @@ class SpanReceiver:
         except asyncio.TimeoutError:
             raise OtlpError(
                 408, "body_timeout", f"the body did not arrive within {timeout:g}s"
+            ) from None
+        except ConnectionResetError:
+            # An exporter that gave up waiting (its own timeout) closes mid-body: a client
+            # going away, counted, not an error of the watchdog's.
+            raise OtlpError(
+                400, "body_incomplete", "the connection closed before the body ended"
             ) from None
 
     async def _handle_traces(self, request: web.Request) -> web.Response:

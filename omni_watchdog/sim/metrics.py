@@ -24,9 +24,16 @@ STAGE_TYPES = {"code2wav": "diffusion"}
 class SimMetrics:
     """Counters and gauges of the API process, updated from the stages' progress reports."""
 
-    def __init__(self, topology: Topology, model_name: str) -> None:
+    def __init__(
+        self, topology: Topology, model_name: str, gauges_follow_batches: bool = False
+    ) -> None:
         self.registry = CollectorRegistry()
         self._model = model_name
+        # vLLM-Omni 0.30 sets a stage's running gauge from each output batch's scheduler
+        # counts and sends no batch once its last request is done: the gauge keeps the
+        # count of that last batch, the finished request included.
+        self._gauges_follow_batches = gauges_follow_batches
+        self._running: dict[tuple[int, int], int] = {}
         self._stage_types = {s.stage_id: STAGE_TYPES.get(s.name, "llm") for s in topology.stages}
         registry = self.registry
         self.running = Gauge(
@@ -129,17 +136,18 @@ class SimMetrics:
         self.waiting.labels(*self._labels(stage, replica)).dec()
         self.stage_waiting.labels(self._model, str(stage)).dec()
         self.pipeline_waiting.labels(self._model).dec()
-        self.running.labels(*self._labels(stage, replica)).inc()
+        self._count_running(stage, replica, +1, batch=True)
         self.pipeline_running.labels(self._model).inc()
 
     def token(self, stage: int, replica: int) -> None:
         """One engine step produced one token."""
         self.generation_tokens.labels(*self._labels(stage, replica)).inc()
         self.iteration_tokens.labels(*self._labels(stage, replica)).observe(1)
+        self._count_running(stage, replica, 0, batch=True)
 
     def finished(self, stage: int, replica: int, seconds: float) -> None:
         """The stage replica finished (or failed) a request it was running."""
-        self.running.labels(*self._labels(stage, replica)).dec()
+        self._count_running(stage, replica, -1, batch=False)
         self.pipeline_running.labels(self._model).dec()
         self.stage_gen_time.labels(self._model, str(stage), self._stage_types[stage]).observe(
             seconds
@@ -148,12 +156,18 @@ class SimMetrics:
     def abandoned(self, stage: int, replica: int, was_running: bool) -> None:
         """A request left a replica that died, without finishing."""
         if was_running:
-            self.running.labels(*self._labels(stage, replica)).dec()
+            self._count_running(stage, replica, -1, batch=True)
             self.pipeline_running.labels(self._model).dec()
         else:
             self.waiting.labels(*self._labels(stage, replica)).dec()
             self.stage_waiting.labels(self._model, str(stage)).dec()
             self.pipeline_waiting.labels(self._model).dec()
+
+    def _count_running(self, stage: int, replica: int, change: int, batch: bool) -> None:
+        count = self._running.get((stage, replica), 0) + change
+        self._running[(stage, replica)] = count
+        if batch or not self._gauges_follow_batches:
+            self.running.labels(*self._labels(stage, replica)).set(count)
 
     def request_failed(self, reason: str) -> None:
         self.failed.labels(self._model, reason).inc()

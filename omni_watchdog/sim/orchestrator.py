@@ -111,6 +111,7 @@ class Orchestrator:
         self._stopping = threading.Event()
         self._drains: list[threading.Thread] = []
         self._liveness: asyncio.Task[None] | None = None
+        self._topology_reports: asyncio.Task[None] | None = None
 
     def spawn(self) -> None:
         """Start every replica process; called on the main thread so that the 0.30
@@ -141,6 +142,10 @@ class Orchestrator:
                 await asyncio.sleep(LIVENESS_POLL_S)
         if self.generation == "0.30":
             self._liveness = asyncio.create_task(self._watch_liveness())
+            # What the instrument plugin reports from a real 0.30 orchestrator.
+            self._topology_reports = asyncio.create_task(
+                self._telemetry.topology_loop(lambda: self.topology.stages)
+            )
 
     def _drain(self, replica: Replica) -> None:
         """Move a replica's messages onto the orchestrator's loop (one thread per replica)."""
@@ -254,15 +259,18 @@ class Orchestrator:
         """Run one request through every stage of the default path, in order.
 
         A request that does not get through (its client went away, a stage failed) is
-        reported abandoned, as the watchdog's plugin reports it from vLLM-Omni.
+        reported abandoned, and one that does finished, as the watchdog's plugin reports
+        them from vLLM-Omni.
         """
         path = self.topology.default_path()
         self._telemetry.request_admitted(request_id, path)
         try:
-            return await self._through_stages(request_id, path, prompt_tokens, tokens)
+            completion = await self._through_stages(request_id, path, prompt_tokens, tokens)
         except BaseException:
             self._telemetry.request_abandoned(request_id)
             raise
+        self._telemetry.request_finished(request_id)
+        return completion
 
     async def _through_stages(
         self, request_id: str, path: tuple[int, ...], prompt_tokens: int, tokens: int

@@ -121,7 +121,9 @@ class SimServer:
         self.settings = settings
         self._listener = listener
         self._replica_counts = {s.stage_id: s.replicas for s in settings.topology.stages}
-        self.metrics = SimMetrics(settings.topology, settings.model)
+        self.metrics = SimMetrics(
+            settings.topology, settings.model, gauges_follow_batches=settings.generation == "0.30"
+        )
         self.telemetry = StageTelemetry.from_environment(process_kind="api")
         self._shutdown = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -411,6 +411,34 @@ def test_stage_spans_that_arrive_before_the_admission_count() -> None:
     assert [detector.in_flight(stage) for stage in (0, 1, 2)] == [0, 0, 0]
 
 
+def test_a_finished_request_is_owed_no_span_by_a_stage_that_sent_none() -> None:
+    """vLLM-Omni 0.30 ends a request whose last stage produced no processed output (a raw
+    terminal) without a stage span for that stage; its finish must end the wait, or the
+    idle last stage is judged stalled once the deadline passes (seen on the real server)."""
+    clock = FakeClock()
+    detector = Detector(CONFIG, THREE_STAGES, clock.monotonic())
+    now = clock.monotonic()
+    detector.observe(
+        [
+            Observation(ObservationKind.HEALTH, now, outcome="ok"),
+            Observation(ObservationKind.REQUEST_ADMITTED, now, request_id="quiet", path=(0, 1, 2)),
+            Observation(ObservationKind.STAGE_SPAN, now + 0.1, S0, 0.1, "ok", request_id="quiet"),
+            Observation(ObservationKind.STAGE_SPAN, now + 2, S1, 1.9, "ok", request_id="quiet"),
+            Observation(ObservationKind.REQUEST_FINISHED, now + 2.1, request_id="quiet"),
+        ]
+    )
+    assert [detector.in_flight(stage) for stage in (0, 1, 2)] == [0, 0, 0]
+    for _ in range(60):
+        clock.advance(1.0)
+        now = clock.monotonic()
+        detector.observe(
+            [Observation(ObservationKind.HEARTBEAT, now, stage=ref) for ref in (S0, S1, S2)]
+        )
+        report = detector.evaluate(now)
+        assert not any(kinds_of(report, ref) for ref in (S0, S1, S2)), report
+    assert {status.state for status in report.statuses} == {StageState.HEALTHY}
+
+
 def test_abandoned_requests_leave_every_stage_queue() -> None:
     """A client that goes away mid-pipeline: the stages after its current one never see it."""
     clock = FakeClock()
@@ -683,3 +711,39 @@ def test_processes_per_stage_are_bounded() -> None:
     )
     detector.observe([Observation(ObservationKind.HEARTBEAT, 1.5, S0)])
     assert len(detector._stages[S0].processes) == MAX_PROCESSES_PER_STAGE
+
+
+def test_a_learned_topology_keeps_what_is_known_of_the_stages_that_stay() -> None:
+    clock = FakeClock()
+    detector = Detector(CONFIG, ONE_STAGE, clock.monotonic())
+    world = World(heartbeats={S0, S1}, engines={S1: ProcessStatus.SLEEPING})
+    for second in range(WARM + 2):
+        detector.observe(world.tick(clock.monotonic(), second))
+        detector.evaluate(clock.monotonic())
+        clock.advance(1.0)
+    beat = detector.last_heartbeat(S0)
+    assert beat is not None
+    # A stage the titles named but no source lists any more is kept while it is real.
+    learned = Topology((Stage(0, "thinker"), Stage(2, "code2wav", replicas=2)))
+    detector.set_topology(learned, clock.monotonic())
+    report = detector.evaluate(clock.monotonic())
+    assert detector.last_heartbeat(S0) == beat
+    assert {(s.stage, s.name): s.state for s in report.statuses} == {
+        (S0, "thinker"): StageState.HEALTHY,
+        (S1, "stage1"): StageState.HEALTHY,
+        (S2, "code2wav"): StageState.UNKNOWN,
+        (StageRef(2, 1), "code2wav"): StageState.UNKNOWN,
+    }
+    assert report.warmed_up
+    # The stage that stays is still judged on its history: silence since the last beat.
+    world.heartbeats.discard(S0)
+    for second in range(int(CONFIG.heartbeat_timeout) + 2):
+        detector.observe(world.tick(clock.monotonic(), second))
+        clock.advance(1.0)
+    assert EvidenceKind.HEARTBEAT_LOST in kinds_of(detector.evaluate(clock.monotonic()), S0)
+
+
+def test_a_dropped_stage_without_a_signal_of_its_own_is_forgotten() -> None:
+    detector = Detector(CONFIG, THREE_STAGES, 0.0)
+    detector.set_topology(ONE_STAGE, 1.0)
+    assert [s.stage for s in detector.evaluate(2.0).statuses] == [S0]

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from omni_watchdog.instrument import hooks, plugin
-from omni_watchdog.instrument.hooks import HookContext, ProcessIdentity
+from omni_watchdog.instrument.hooks import HookContext, ProcessIdentity, pipeline_stages
+from omni_watchdog.types import Stage
 
 
 class FakeTelemetry:
@@ -27,8 +28,10 @@ class FakeTelemetry:
         self.heartbeats = 0
         self.admitted: list[tuple[str, list[int]]] = []
         self.abandoned: list[str] = []
+        self.finished: list[str] = []
         self.stage_requests: list[dict[str, Any]] = []
         self.loops: list[asyncio.AbstractEventLoop] = []
+        self.topologies: list[tuple[Stage, ...]] = []
 
     def heartbeat(self) -> None:
         self.heartbeats += 1
@@ -37,11 +40,18 @@ class FakeTelemetry:
         self.loops.append(asyncio.get_running_loop())
         await asyncio.Event().wait()
 
+    async def topology_loop(self, read_stages: Callable[[], tuple[Stage, ...]]) -> None:
+        self.topologies.append(read_stages())
+        await asyncio.Event().wait()
+
     def request_admitted(self, request_id: str, stage_path: Any) -> None:
         self.admitted.append((request_id, list(stage_path)))
 
     def request_abandoned(self, request_id: str) -> None:
         self.abandoned.append(request_id)
+
+    def request_finished(self, request_id: str) -> None:
+        self.finished.append(request_id)
 
     def record_stage_request(
         self, request_id: str, start: int, end: int, error: str | None = None, **stage: Any
@@ -163,6 +173,18 @@ def test_hooks_wrap_once_and_skip_what_is_missing(
     assert not hooks.install_omni030_orchestrator(fx.context)
 
 
+def stage_client(name: str | None, inputs: list[int], final_output: bool = False) -> Any:
+    """What vLLM-Omni 0.30's StageEngineCoreClient says of its stage."""
+    return types.SimpleNamespace(
+        model_stage=name, engine_input_source=inputs, final_output=final_output
+    )
+
+
+def stage_pool(replicas: int, client: Any) -> Any:
+    """A StagePool: its replica slots (evicted ones included) and its first live client."""
+    return types.SimpleNamespace(num_replicas=replicas, stage_client=client)
+
+
 def fake_orchestrator(register: Callable[[str], types.ModuleType]) -> type[Any]:
     module = register("vllm_omni.engine.orchestrator")
 
@@ -175,6 +197,7 @@ def fake_orchestrator(register: Callable[[str], types.ModuleType]) -> type[Any]:
         def __init__(self) -> None:
             self.request_states: dict[str, OrchestratorRequestState] = {}
             self.routed: list[Any] = []
+            self.stage_pools = [stage_pool(replicas=1, client=stage_client("thinker", []))]
 
         async def run(self) -> None:
             await asyncio.sleep(0)
@@ -224,7 +247,7 @@ def test_omni030_orchestrator_spans(
 
     async def scenario() -> None:
         await orchestrator.run()
-        for request_id in ("ok", "bad", "gone"):
+        for request_id in ("ok", "bad", "gone", "quiet"):
             msg = types.SimpleNamespace(request_id=request_id, final_stage_id=2)
             await orchestrator._handle_add_request(msg)
         await orchestrator._handle_processed_outputs(0, 1, [Output("ok", finished=False)])
@@ -233,20 +256,65 @@ def test_omni030_orchestrator_spans(
         )
         # The client of "gone" went away: vLLM-Omni aborts it on every stage.
         await orchestrator._cleanup_request_ids(["gone"], abort=True)
+        # The last stage of "quiet" ended without a processed output (a raw terminal):
+        # vLLM-Omni finishes it with no stage output the plugin could report.
+        await orchestrator._cleanup_request_ids(["quiet"])
 
     asyncio.run(scenario())
     telemetry = fx.made[ProcessIdentity("orchestrator")]
-    assert telemetry.admitted == [("ok", [0, 1, 2]), ("bad", [0, 1, 2]), ("gone", [0, 1, 2])]
+    assert telemetry.admitted == [
+        ("ok", [0, 1, 2]),
+        ("bad", [0, 1, 2]),
+        ("gone", [0, 1, 2]),
+        ("quiet", [0, 1, 2]),
+    ]
     start, end = 10 * 10**9, int(12.5 * 1e9)
     assert telemetry.stage_requests == [
         {"id": "ok", "start": start, "end": end, "error": None, "stage_id": 0, "replica": 1},
         {"id": "bad", "start": start, "end": end, "error": "boom", "stage_id": 0, "replica": 1},
     ]
-    # A request that finished is not abandoned; a failed or aborted one is.
+    # A failed or aborted request is abandoned; one done, with its last stage's output or
+    # without, is finished: either way no stage owes a span for it any more.
     assert telemetry.abandoned == ["bad", "gone"]
+    assert telemetry.finished == ["ok", "quiet"]
     assert orchestrator.request_states == {}
     assert len(telemetry.loops) == 1
     assert len(orchestrator.routed) == 3
+    assert telemetry.topologies == [(Stage(0, "thinker", replicas=1),)]
+
+
+def test_pipeline_stages_read_the_stage_pools_and_remember_evicted_stages() -> None:
+    talker = stage_client("talker", [0])
+    orchestrator = types.SimpleNamespace(
+        stage_pools=[
+            stage_pool(1, stage_client("thinker", [], final_output=True)),
+            stage_pool(2, talker),
+            stage_pool(0, None),  # served from another host, none joined yet
+            stage_pool(1, stage_client(None, [1], final_output=True)),
+        ]
+    )
+    known: dict[int, Stage] = {}
+    assert pipeline_stages(orchestrator, known) == (
+        Stage(0, "thinker", replicas=1, final_output=True),
+        Stage(1, "talker", replicas=2, upstream=(0,)),
+        Stage(2, "stage2", replicas=1),
+        Stage(3, "stage3", replicas=1, upstream=(1,), final_output=True),
+    )
+    # Every talker replica evicted: the pool keeps its slots, and the report its name.
+    orchestrator.stage_pools[1] = stage_pool(2, None)
+    assert pipeline_stages(orchestrator, known)[1] == Stage(1, "talker", replicas=2, upstream=(0,))
+
+
+def test_a_broken_orchestrator_still_runs(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    orchestrator_class = fake_orchestrator(fake_modules)
+    assert hooks.install_omni030_orchestrator(fx.context)
+    orchestrator = orchestrator_class()
+    orchestrator.stage_pools = None  # not what 0.30 has: reading it raises
+
+    asyncio.run(orchestrator.run())
+    assert fx.made[ProcessIdentity("orchestrator")].topologies == []
 
 
 def fake_omni011_stage(register: Callable[[str], types.ModuleType]) -> types.ModuleType:
@@ -314,8 +382,21 @@ def test_omni011_stage_worker_already_running_is_instrumented(
     assert [r["id"] for r in telemetry.stage_requests] == ["ok"]
 
 
+@pytest.mark.parametrize(
+    ("admits", "admitted", "abandoned"),
+    [
+        (True, [("r1", [0, 1, 2]), ("r2", [0, 1, 2])], ["r2"]),
+        # vLLM-Omni 0.30: the orchestrator admits each request under its own id; here
+        # only the API loop's heartbeat starts.
+        (False, [], []),
+    ],
+)
 def test_omni011_api_admits_each_request_and_abandons_the_unfinished(
-    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+    fx: Fixture,
+    fake_modules: Callable[[str], types.ModuleType],
+    admits: bool,
+    admitted: list[tuple[str, list[int]]],
+    abandoned: list[str],
 ) -> None:
     module = fake_modules("vllm_omni.entrypoints.async_omni")
 
@@ -327,7 +408,7 @@ def test_omni011_api_admits_each_request_and_abandons_the_unfinished(
                 yield f"{request_id}:{stage}"
 
     module.AsyncOmni = AsyncOmni  # type: ignore[attr-defined]
-    assert hooks.install_omni011_api(fx.context)
+    assert hooks.install_omni011_api(fx.context, admits=admits)
 
     async def collect() -> list[str]:
         return [output async for output in AsyncOmni().generate("hi", "r1")]
@@ -340,17 +421,19 @@ def test_omni011_api_admits_each_request_and_abandons_the_unfinished(
     assert asyncio.run(collect()) == ["r1:thinker", "r1:talker", "r1:code2wav"]
     asyncio.run(go_away_after_the_first_stage())
     telemetry = fx.made[ProcessIdentity("api")]
-    assert telemetry.admitted == [("r1", [0, 1, 2]), ("r2", [0, 1, 2])]
-    assert telemetry.abandoned == ["r2"]
+    assert telemetry.admitted == admitted
+    assert telemetry.abandoned == abandoned
+    # Each of the two event loops the requests ran on got its heartbeat.
+    assert len(telemetry.loops) == 2
 
 
-def test_legacy_build_app_gets_the_route(
+def test_build_app_gets_the_route(
     fake_modules: Callable[[str], types.ModuleType],
 ) -> None:
     module = fake_modules("vllm.entrypoints.openai.api_server")
     module.build_app = lambda args: {"args": args}  # type: ignore[attr-defined]
     added: list[Any] = []
-    assert hooks.install_legacy_build_app(added.append)
+    assert hooks.install_build_app_route(added.append)
     assert module.build_app("argv") == {"args": "argv"}
     assert added == [{"args": "argv"}]
 
@@ -422,3 +505,46 @@ def test_endpoint_plugin_adds_the_admin_route_once() -> None:
     endpoint.attach_router(app)
     endpoint.attach_router(app)
     assert [route.path for route in app.routes].count("/admin/shutdown") == 1
+
+
+def test_omni030_build_openai_app_gets_the_route(
+    fake_modules: Callable[[str], types.ModuleType],
+) -> None:
+    # vLLM-Omni 0.30 imports vLLM's build_app under another name and never calls an
+    # endpoint plugin's init_state: the route comes from the general plugin.
+    module = fake_modules("vllm_omni.entrypoints.openai.api_server")
+    module.build_openai_app = lambda args, tasks: {"args": args}  # type: ignore[attr-defined]
+    added: list[Any] = []
+    assert hooks.install_build_app_route(added.append)
+    assert module.build_openai_app("argv", ("generate",)) == {"args": "argv"}
+    assert added == [{"args": "argv"}]
+
+
+@pytest.mark.parametrize(
+    ("has_endpoint_plugins", "environ", "route_hooked"),
+    [
+        (False, {}, True),
+        (True, {}, False),
+        (True, {"OMNI_WATCHDOG_ADMIN_TOKEN": "secret"}, True),
+        (True, {"OMNI_WATCHDOG_ADMIN_TOKEN": "  "}, False),
+    ],
+)
+def test_api_server_gets_the_route_where_asked_for(
+    fake_modules: Callable[[str], types.ModuleType],
+    monkeypatch: pytest.MonkeyPatch,
+    has_endpoint_plugins: bool,
+    environ: dict[str, str],
+    route_hooked: bool,
+) -> None:
+    module = fake_modules("vllm_omni.entrypoints.openai.api_server")
+    module.build_openai_app = lambda args, tasks: {"args": args}  # type: ignore[attr-defined]
+    monkeypatch.setattr(plugin, "_has_endpoint_plugins", lambda: has_endpoint_plugins)
+    monkeypatch.setattr(plugin, "_importable", lambda name: False)
+    api_plugin = plugin.Plugin(
+        environ=environ,
+        process_title=lambda: "vllm serve",
+        current_process=lambda: None,
+        make_telemetry=lambda **kwargs: None,
+        at_exit=lambda function: None,
+    )
+    assert ("build_app_route" in api_plugin.register_general()) is route_hooked

@@ -15,6 +15,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from omni_watchdog import process_start
 from omni_watchdog.instrument.telemetry import StageTelemetry, heartbeat_interval, traces_endpoint
+from omni_watchdog.topology import reported_topology
+from omni_watchdog.types import Stage
 from tests.instrument.kept_spans import KeptSpans
 
 STATUS_ERROR = 2
@@ -43,12 +45,15 @@ def test_spans_arrive_with_names_attributes_and_resource(
         pass
     stage_telemetry.record_stage_request("req-2", 1_000, 2_000)
     stage_telemetry.request_abandoned("req-3")
-    assert wait_until(lambda: len(collector.spans) == 4)
+    stage_telemetry.request_finished("req-4")
+    assert wait_until(lambda: len(collector.spans) == 5)
     [admitted] = collector.named("omni.request.admitted")
     assert admitted.attributes["omni.request.id"] == "req-1"
     assert admitted.attributes["omni.request.stage_path"] == [0, 1, 2]
     [abandoned] = collector.named("omni.request.abandoned")
     assert abandoned.attributes["omni.request.id"] == "req-3"
+    [finished] = collector.named("omni.request.finished")
+    assert finished.attributes["omni.request.id"] == "req-4"
     stage_spans = collector.named("omni.stage.request")
     assert [span.attributes["omni.request.id"] for span in stage_spans] == ["req-1", "req-2"]
     assert all(span.attributes["omni.stage.id"] == 1 for span in stage_spans)
@@ -292,3 +297,36 @@ def test_stage_spans_join_the_current_trace_and_heartbeats_never_do() -> None:
         "omni.stage.replica": 0,
         "omni.request.id": "req-1",
     }
+
+
+def test_the_topology_is_reported_again_and_again_and_a_failed_read_skips_one() -> None:
+    kept = KeptSpans()
+    telemetry = StageTelemetry(kept, process_kind="orchestrator")
+    stages = (
+        Stage(0, "thinker", final_output=True),
+        Stage(1, "talker", replicas=2, upstream=(0,)),
+    )
+    reads = iter([stages, RuntimeError("pools changing"), stages])
+
+    def read_stages() -> tuple[Stage, ...]:
+        answer = next(reads)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def three_rounds() -> None:
+        task = asyncio.get_running_loop().create_task(telemetry.topology_loop(read_stages, 0))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        task.cancel()
+
+    asyncio.run(three_rounds())
+    telemetry.shutdown(timeout_s=2.0)
+    assert [span.name for span in kept.spans] == ["omni.pipeline.topology"] * 2
+    first = kept.spans[0]
+    assert first.parent is None
+    values = {key: list(value) for key, value in (first.attributes or {}).items()}  # type: ignore[call-overload]
+    assert reported_topology(values).stages == (
+        Stage(0, "thinker", final_output=True, downstream=(1,)),
+        Stage(1, "talker", replicas=2, upstream=(0,)),
+    )

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import ProbesConfig
 from omni_watchdog.probes.metrics import MetricsProbe, parse_samples
-from omni_watchdog.types import ObservationKind, ProbeError, StageRef
+from omni_watchdog.types import ObservationKind, ProbeError, StageRef, Topology, TopologyOrigin
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "real-vllm"
 REAL_PAGES = {
@@ -239,3 +239,116 @@ def test_nothing_listening_is_a_probe_error() -> None:
                 await probe.collect()
 
     asyncio.run(main())
+
+
+def test_stage_labels_report_the_stage_replicas_they_name_when_they_name_new_ones() -> None:
+    pages = [
+        SIM_PAGE,
+        SIM_PAGE,
+        # Replica 0.1 is gone from the page: it stays in the topology, to be judged.
+        'vllm:generation_tokens_total{stage="0",replica="0"} 1\n',
+        'vllm:generation_tokens_total{stage="3",replica="0"} 1\n',
+    ]
+
+    async def check(url: str) -> list[list[Topology]]:
+        async with aiohttp.ClientSession() as session:
+            probe = MetricsProbe(session, url, ProbesConfig(), FakeClock())
+            return [
+                [o.topology for o in await probe.collect() if o.topology is not None] for _ in pages
+            ]
+
+    first, again, shrunk, grown = serve(page_handler(list(pages)), check)
+    assert (first[0].source, first[0].origin) == ("metrics", TopologyOrigin.METRICS)
+    assert [(s.stage_id, s.name, s.replicas) for s in first[0].stages] == [
+        (0, "stage0", 2),
+        (1, "stage1", 1),
+        (2, "stage2", 1),
+    ]
+    assert again == shrunk == []
+    assert [(s.stage_id, s.replicas) for s in grown[0].stages] == [(0, 2), (1, 1), (2, 1), (3, 1)]
+
+
+@pytest.mark.parametrize("name", sorted(REAL_PAGES))
+def test_pages_without_stage_labels_report_no_topology(name: str) -> None:
+    text = (FIXTURES / name).read_text()
+
+    async def check(url: str) -> list[Topology]:
+        async with aiohttp.ClientSession() as session:
+            observations = await MetricsProbe(session, url, ProbesConfig(), FakeClock()).collect()
+        return [o.topology for o in observations if o.topology is not None]
+
+    assert serve(page_handler([text]), check) == []
+
+
+def omni_page(tokens: tuple[int, int], running: tuple[int, int]) -> str:
+    """Two vLLM-Omni 0.30 stages: generation counters and running gauges."""
+    return "".join(
+        f'vllm:generation_tokens_total{{replica="0",stage="{stage}"}} {tokens[stage]}\n'
+        f'vllm:num_requests_running{{replica="0",stage="{stage}"}} {running[stage]}\n'
+        for stage in (0, 1)
+    )
+
+
+@pytest.mark.parametrize(
+    ("pages", "loads"),
+    [
+        # The real 0.30 server after its requests are done: every stage still says one
+        # running, and no counter moves. Only the first scrape's batch counts.
+        (
+            [omni_page((8, 8), (1, 1)), omni_page((8, 8), (1, 1)), omni_page((8, 8), (1, 1))],
+            [{0: 1.0, 1: 1.0}, {}, {}],
+        ),
+        # Stage 1 is busy, stage 0 idle since its last batch: only stage 1's gauge counts.
+        (
+            [omni_page((8, 8), (1, 1)), omni_page((8, 12), (1, 2)), omni_page((8, 16), (1, 0))],
+            [{0: 1.0, 1: 1.0}, {1: 2.0}, {1: 0.0}],
+        ),
+        # Plain vLLM reports its counts when idle as well: its gauges always count.
+        (
+            [
+                'vllm:generation_tokens_total{engine="0"} 8\n'
+                'vllm:num_requests_running{engine="0"} 1\n',
+                'vllm:generation_tokens_total{engine="0"} 8\n'
+                'vllm:num_requests_running{engine="0"} 1\n',
+            ],
+            [{0: 1.0}, {0: 1.0}],
+        ),
+    ],
+)
+def test_omni_stage_gauges_count_only_when_the_stage_sent_a_batch(
+    pages: list[str], loads: list[dict[int, float]]
+) -> None:
+    async def check(url: str) -> list[dict[int, float]]:
+        async with aiohttp.ClientSession() as session:
+            probe = MetricsProbe(session, url, ProbesConfig(), FakeClock())
+            found = []
+            for _ in pages:
+                load = by_kind(await probe.collect(), ObservationKind.LOAD)
+                found.append({stage.stage_id: value for stage, value in load.items()})
+        return found
+
+    assert serve(page_handler(list(pages)), check) == loads
+
+
+def test_real_omni_page_of_an_idle_server_shows_no_queued_work() -> None:
+    # Captured from the real vLLM-Omni 0.30 (three stages) after one request, idle: every
+    # stage's vllm:num_requests_running still says 1.
+    page = (
+        FIXTURES.parent / "real-omni" / "vllm-omni-0.30.0-three-stages-idle.metrics.txt"
+    ).read_text()
+    running = {
+        sample.labels["stage"]: sample.value
+        for sample in parse_samples(page, {"vllm:num_requests_running"})
+    }
+    assert running == {"0": 1.0, "1": 1.0, "2": 1.0}
+
+    async def check(url: str) -> list[dict[StageRef, float]]:
+        async with aiohttp.ClientSession() as session:
+            probe = MetricsProbe(session, url, ProbesConfig(), FakeClock())
+            first = await probe.collect()
+            second = await probe.collect()
+        return [by_kind(first, ObservationKind.LOAD), by_kind(second, ObservationKind.LOAD)]
+
+    first, second = serve(page_handler([page]), check)
+    assert set(first) == {StageRef(0), StageRef(1), StageRef(2)}
+    assert second == {}

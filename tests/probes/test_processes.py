@@ -28,6 +28,7 @@ from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.process_start import start_time
 from omni_watchdog.types import (
     Observation,
+    ObservationKind,
     ProbeError,
     ProcessIdentity,
     ProcessInfo,
@@ -36,6 +37,7 @@ from omni_watchdog.types import (
     Stage,
     StageRef,
     Topology,
+    TopologyOrigin,
 )
 
 TWO_STAGES = Topology((Stage(0, "thinker", downstream=(1,)), Stage(1, "talker", upstream=(0,))))
@@ -195,7 +197,7 @@ def test_titles_map_roles_and_stages() -> None:
     table.add(107, 102, "VLLM::EngineCore")
     table.listening = [100]
     tracker = fake_tracker(table)
-    observations = collect(tracker)
+    observations = [o for o in collect(tracker) if o.kind is ObservationKind.PROCESS]
     assert roles(tracker) == {
         100: (ProcessRole.API, None),
         101: (ProcessRole.ENGINE, StageRef(0, 0)),
@@ -733,3 +735,87 @@ def test_reattach_to_a_restarted_server(servers: Servers) -> None:
     assert previous[first.pid].status == ProcessStatus.EXITED
     assert all(previous[w.pid].orphaned for w in old_workers)
     assert all(tracker.is_recorded(w.identity) for w in old_workers)
+
+
+def topologies(observations: list[Observation]) -> list[Topology]:
+    return [o.topology for o in observations if o.kind is ObservationKind.TOPOLOGY and o.topology]
+
+
+def test_0_30_titles_report_the_stage_replicas_they_name_once_and_keep_dead_ones() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve --omni")
+    table.add(101, 100, "VLLM::StageEngineCoreProc_stage0_replica0_DP0")
+    table.add(102, 101, "VLLM::Worker")
+    table.add(103, 100, "VLLM::StageEngineCoreProc_stage1_replica1_DP0")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    [first] = topologies(collect(tracker))
+    assert (first.source, first.origin) == ("titles", TopologyOrigin.TITLES)
+    assert [(s.stage_id, s.name, s.replicas) for s in first.stages] == [
+        (0, "stage0", 1),
+        (1, "stage1", 2),
+    ]
+    assert topologies(collect(tracker)) == []
+    del table.table[103]
+    assert topologies(collect(tracker)) == []
+    table.add(104, 100, "VLLM::StageEngineCoreProc_stage2_replica0_DP0")
+    [grown] = topologies(collect(tracker))
+    assert [(s.stage_id, s.replicas) for s in grown.stages] == [(0, 1), (1, 2), (2, 1)]
+
+
+def test_plain_vllm_and_0_11_titles_report_no_topology() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "python -m vllm_omni.entrypoints.cli serve --omni")
+    table.add(110, 100, SPAWN_CMDLINE)
+    table.add(111, 110, "VLLM::EngineCore")
+    table.add(112, 100, "VLLM::EngineCore_DP1")
+    table.listening = [100]
+    assert topologies(collect(fake_tracker(table))) == []
+
+
+def test_the_servers_stage_config_is_read_once_per_attach() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve m --omni --stage-configs-path s.yaml")
+    table.listening = [100]
+    asked: list[int] = []
+    config = Topology((Stage(0, "thinker"),), "cmdline:s.yaml", TopologyOrigin.SERVER_CONFIG)
+
+    def read_config(pid: int) -> Topology | None:
+        asked.append(pid)
+        return config
+
+    tracker = ProcessTracker(
+        table,  # type: ignore[arg-type]
+        FakeClock(),
+        own_pid=OWN_PID,
+        target_port=PORT,
+        pid=None,
+        topology=TWO_STAGES,
+        process_groups=groups_of,
+        start_time=table.start_time,
+        start_time_of_ticks=float,
+        server_topology=read_config,
+    )
+    assert topologies(collect(tracker)) == [config]
+    assert topologies(collect(tracker)) == []
+    del table.table[100]
+    table.add(200, 1, "vllm serve m --omni")
+    table.listening = [200]
+    assert topologies(collect(tracker)) == [config]
+    assert asked == [100, 200]
+
+
+def test_a_new_topology_maps_0_11_stage_workers_it_names() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "python -m vllm_omni.entrypoints.cli serve --omni")
+    for pid in (110, 120, 130):
+        table.add(pid, 100, SPAWN_CMDLINE)
+    table.listening = [100]
+    tracker = fake_tracker(table, topology=Topology((Stage(0, "engine"),)))
+    collect(tracker)
+    assert roles(tracker)[130] == (ProcessRole.HELPER, None)
+    tracker.set_topology(Topology(tuple(Stage(i, f"s{i}") for i in range(3))))
+    assert not tracker.knows(StageRef(5))
+    collect(tracker)
+    assert roles(tracker)[130] == (ProcessRole.STAGE, StageRef(2))
+    assert tracker.knows(StageRef(2))

@@ -180,14 +180,21 @@ def test_sdk_exporter_spans_become_observations_and_records(compression: Compres
     assert receiver.stats.requests[200] == 1
 
 
-def test_an_abandoned_request_becomes_an_observation() -> None:
+@pytest.mark.parametrize(
+    ("span_name", "kind"),
+    [
+        ("omni.request.abandoned", ObservationKind.REQUEST_ABANDONED),
+        ("omni.request.finished", ObservationKind.REQUEST_FINISHED),
+    ],
+)
+def test_the_end_of_a_request_becomes_an_observation(span_name: str, kind: ObservationKind) -> None:
     captured = InMemorySpanExporter()
     provider = TracerProvider(
         resource=Resource(dict(STAGE_RESOURCE, **{"omni.process.kind": "api"}))
     )
     provider.add_span_processor(SimpleSpanProcessor(captured))
     provider.get_tracer("omni_watchdog.instrument").start_span(
-        "omni.request.abandoned", attributes={"omni.request.id": "req-9"}, start_time=START
+        span_name, attributes={"omni.request.id": "req-9"}, start_time=START
     ).end(end_time=START)
     provider.shutdown()
     receiver = make_receiver()
@@ -200,10 +207,7 @@ def test_an_abandoned_request_becomes_an_observation() -> None:
 
     assert asyncio.run(main()) == SpanExportResult.SUCCESS
     (observation,) = asyncio.run(receiver.collect())
-    assert (observation.kind, observation.request_id) == (
-        ObservationKind.REQUEST_ABANDONED,
-        "req-9",
-    )
+    assert (observation.kind, observation.request_id) == (kind, "req-9")
 
 
 def otlp_json(request: ExportTraceServiceRequest) -> dict[str, Any]:

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 import pytest
 from fakes import FakeSenders
+from google.protobuf import json_format
 from listening import listening
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from otlp_bodies import batch
 
+from omni_watchdog import pipeline_report
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
+from omni_watchdog.demo import wait_for
 from omni_watchdog.probes.span_store import MAX_SPAN_BYTES, SpanStore
 from omni_watchdog.probes.spans import JSON, PROTOBUF, SpanReceiver
 from omni_watchdog.process_start import BOOT_ID_KEY, START_TICKS_KEY
-from omni_watchdog.types import ObservationKind, StageRef
+from omni_watchdog.topology import MAX_STAGES
+from omni_watchdog.types import ObservationKind, StageRef, Topology, TopologyOrigin
 
 BOOT = "boot-of-this-host"
 STAGE_PROCESS = {"process.pid": 40, START_TICKS_KEY: 900, BOOT_ID_KEY: BOOT}
@@ -258,3 +264,142 @@ def test_a_body_that_does_not_arrive_in_time_is_408() -> None:
 
     assert asyncio.run(scenario()) == b"HTTP/1.1 408 Request Timeout"
     assert receiver.stats.spans_rejected["body_timeout"] == 1
+
+
+def test_a_client_gone_mid_body_is_counted_not_an_error_of_the_watchdog() -> None:
+    receiver = receiver_for()
+    errors: list[None] = []
+
+    async def scenario() -> None:
+        async with listening(receiver.app(), errors=errors) as listener:
+            _, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            writer.write(
+                b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                b"Content-Length: 1000\r\n\r\n" + b"\x0a" * 10
+            )
+            await writer.drain()
+            writer.close()
+            await wait_for(lambda: receiver.stats.spans_rejected["body_incomplete"] == 1, 5)
+
+    asyncio.run(scenario())
+    assert errors == []
+
+
+# ---- the plugin's topology report ---------------------------------------------------------
+
+API_PROCESS = {
+    "process.pid": 40,
+    START_TICKS_KEY: 900,
+    BOOT_ID_KEY: BOOT,
+    "omni.process.kind": "api",
+}
+THREE_STAGES = {
+    pipeline_report.STAGE_IDS: [0, 1, 2],
+    pipeline_report.STAGE_NAMES: ["thinker", "talker", "code2wav"],
+    pipeline_report.STAGE_REPLICAS: [1, 2, 1],
+    pipeline_report.STAGE_INPUTS: ["", "0", "1"],
+    pipeline_report.STAGE_FINAL_OUTPUT: [True, False, True],
+}
+
+
+def reported(receiver: SpanReceiver) -> list[Topology]:
+    return [o.topology for o in asyncio.run(receiver.collect()) if o.topology is not None]
+
+
+@pytest.mark.parametrize(
+    ("name", "resource", "report", "stages", "rejected"),
+    [
+        ("the target's API process", API_PROCESS, THREE_STAGES, [1, 2, 1], {}),
+        (
+            "a sender with no start time",
+            {"process.pid": 40},
+            THREE_STAGES,
+            None,
+            {"unknown_sender": 1},
+        ),
+        (
+            "another host",
+            {**API_PROCESS, BOOT_ID_KEY: "another-boot"},
+            THREE_STAGES,
+            None,
+            {"unknown_sender": 1},
+        ),
+        (
+            "an input from no stage",
+            API_PROCESS,
+            {**THREE_STAGES, pipeline_report.STAGE_INPUTS: ["", "0", "9"]},
+            None,
+            {"malformed_topology": 1},
+        ),
+        (
+            "lists of different lengths",
+            API_PROCESS,
+            {**THREE_STAGES, pipeline_report.STAGE_NAMES: ["thinker"]},
+            None,
+            {"malformed_topology": 1},
+        ),
+        (
+            "a list past the stage bound",
+            API_PROCESS,
+            {
+                pipeline_report.STAGE_IDS: list(range(MAX_STAGES + 1)),
+                pipeline_report.STAGE_NAMES: ["s"] * (MAX_STAGES + 1),
+                pipeline_report.STAGE_REPLICAS: [1] * (MAX_STAGES + 1),
+                pipeline_report.STAGE_INPUTS: [""] * (MAX_STAGES + 1),
+                pipeline_report.STAGE_FINAL_OUTPUT: [True] * (MAX_STAGES + 1),
+            },
+            None,
+            {"malformed_topology": 1},
+        ),
+        (
+            "a scalar where a list belongs",
+            API_PROCESS,
+            {**THREE_STAGES, pipeline_report.STAGE_IDS: 0},
+            None,
+            {"malformed_topology": 1},
+        ),
+        ("no report at all", API_PROCESS, {}, None, {"malformed_topology": 1}),
+    ],
+)
+def test_only_the_targets_well_formed_report_defines_the_topology(
+    name: str,
+    resource: dict[str, object],
+    report: dict[str, object],
+    stages: list[int] | None,
+    rejected: dict[str, int],
+) -> None:
+    receiver = receiver_for(FakeSenders(owned={(40, 900)}))
+    receiver.ingest(batch(resource, [(pipeline_report.TOPOLOGY_SPAN, report)]), PROTOBUF)
+    topologies = reported(receiver)
+    if stages is None:
+        assert topologies == []
+    else:
+        assert [s.replicas for s in topologies[0].stages] == stages
+        assert (topologies[0].source, topologies[0].origin) == ("plugin", TopologyOrigin.PLUGIN)
+    assert refused(receiver) == rejected
+
+
+def test_a_report_of_an_unrecorded_sender_counts_once_the_tracker_records_it() -> None:
+    clock = FakeClock()
+    senders = FakeSenders(owned=set())
+    receiver = receiver_for(senders, clock)
+    receiver.ingest(batch(API_PROCESS, [(pipeline_report.TOPOLOGY_SPAN, THREE_STAGES)]), PROTOBUF)
+    assert reported(receiver) == []
+    clock.advance(1.0)
+    senders.owned = {(40, 900)}
+    assert [s.name for s in reported(receiver)[0].stages] == ["thinker", "talker", "code2wav"]
+    assert refused(receiver) == {}
+
+
+def test_a_report_in_json_is_read_the_same() -> None:
+    receiver = receiver_for(FakeSenders(owned={(40, 900)}))
+    body = batch(API_PROCESS, [(pipeline_report.TOPOLOGY_SPAN, THREE_STAGES)])
+    request = ExportTraceServiceRequest.FromString(body)
+    as_json = json_format.MessageToJson(request).encode()
+    # OTLP JSON writes ids in hex, protobuf's JSON in base64.
+    document = json.loads(as_json)
+    span = document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    span["traceId"] = bytes(request.resource_spans[0].scope_spans[0].spans[0].trace_id).hex()
+    span["spanId"] = bytes(request.resource_spans[0].scope_spans[0].spans[0].span_id).hex()
+    receiver.ingest(json.dumps(document).encode(), JSON)
+    assert [s.replicas for s in reported(receiver)[0].stages] == [1, 2, 1]

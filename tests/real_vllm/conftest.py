@@ -7,37 +7,29 @@ in CI, where a missing environment is a failure.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from real_vllm.server import MAKE_TINY_MODEL, VLLM_PYTHON, VLLM_STAMP, VLLM_VENV, VllmServer
+from real_vllm.server import (
+    VLLM_PYTHON,
+    VLLM_STAMP,
+    VllmServer,
+    installed_python,
+    make_tiny_model,
+)
 
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The vLLM environment's Python; its absence fails CI and skips elsewhere."""
-    if not VLLM_STAMP.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{VLLM_VENV.name} is missing: `make tools` must install vLLM first")
-        pytest.skip("run make tools")
-    return VLLM_PYTHON
+    return installed_python(VLLM_STAMP, VLLM_PYTHON, "vLLM")
 
 
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random-weight model, generated once per session."""
-    output = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run(
-        [str(vllm_python), str(MAKE_TINY_MODEL), str(output)],
-        check=True,
-        capture_output=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=120,
-    )
-    return output
+    return make_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-model"), {})
 
 
 @pytest.fixture(scope="module")

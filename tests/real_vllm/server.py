@@ -73,27 +73,7 @@ class VllmServer:
     @classmethod
     def start(cls, model: Path, workdir: Path, env: Mapping[str, str] | None = None) -> VllmServer:
         port, otlp_port = free_port(), free_port()
-        workdir.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix="vllm-"))
         otlp_endpoint = f"http://127.0.0.1:{otlp_port}/v1/traces"
-        child_env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            # vLLM's exporter speaks gRPC unless told otherwise; the receiver is OTLP/HTTP.
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-            "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
-            "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache"),
-            "TMPDIR": str(scratch),
-            # The omni-watchdog plugin installed in the vLLM environment: the endpoint
-            # plugin (the admin route) loads only when named, and naming it filters the
-            # general plugins down to the names listed.
-            "VLLM_PLUGINS": "omni_watchdog",
-            "OMNI_WATCHDOG_OTLP_ENDPOINT": otlp_endpoint,
-            "OMNI_WATCHDOG_ADMIN_TOKEN": ADMIN_TOKEN,
-            "OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5",
-            **(env or {}),
-        }
         argv = [
             str(VLLM_PYTHON),
             "-m",
@@ -112,6 +92,42 @@ class VllmServer:
             "--otlp-traces-endpoint",
             otlp_endpoint,
         ]
+        plugin_env = {
+            # A GiB of KV cache, not vLLM's CPU default of most of the free memory.
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # vLLM's exporter speaks gRPC unless told otherwise; the receiver is OTLP/HTTP.
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            # The omni-watchdog plugin installed in the vLLM environment: the endpoint
+            # plugin (the admin route) loads only when named, and naming it filters the
+            # general plugins down to the names listed.
+            "VLLM_PLUGINS": "omni_watchdog",
+        }
+        return cls.spawn(argv, workdir, port, otlp_port, {**plugin_env, **(env or {})})
+
+    @classmethod
+    def spawn(
+        cls,
+        argv: list[str],
+        workdir: Path,
+        port: int,
+        otlp_port: int,
+        env: Mapping[str, str],
+    ) -> VllmServer:
+        """Start `argv` (a server on `port`, exporting spans to `otlp_port`) in its own
+        session, with the plugin's settings and caches of its own under `workdir`."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix="vllm-"))
+        child_env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache"),
+            "TMPDIR": str(scratch),
+            "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}/v1/traces",
+            "OMNI_WATCHDOG_ADMIN_TOKEN": ADMIN_TOKEN,
+            "OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5",
+            **env,
+        }
         log_path = workdir / "vllm.log"
         with log_path.open("ab") as log:
             process = subprocess.Popen(
@@ -193,6 +209,28 @@ class VllmServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=10)
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def installed_python(stamp: Path, python: Path, what: str) -> Path:
+    """An environment's Python once `make tools` has installed it (`stamp`); without it the
+    test fails in CI and is skipped elsewhere."""
+    if not stamp.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{stamp.parent.name} is missing: `make tools` must install {what} first")
+        pytest.skip("run make tools")
+    return python
+
+
+def make_tiny_model(python: Path, output: Path, env: Mapping[str, str], *options: str) -> Path:
+    """The tiny random-weight model of `scripts/make_tiny_model.py`, written by `python`."""
+    subprocess.run(
+        [str(python), str(MAKE_TINY_MODEL), str(output), *options],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+        timeout=180,
+    )
+    return output
 
 
 def _title(process: psutil.Process) -> str:

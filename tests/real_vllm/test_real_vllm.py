@@ -8,18 +8,25 @@ its Worker), death by SIGKILL of the EngineCore. Only processes a test started a
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import pytest
 from e2e.harness import RECOVERED, incident_done, state
-from real_vllm.server import MODEL_NAME, VllmServer, watching
+from real_vllm.client import (
+    all_spans,
+    chat,
+    eventually,
+    evidence_kinds,
+    gone,
+    health_status,
+    running_stream,
+)
+from real_vllm.server import VllmServer, watching
 
 from omni_watchdog.demo import wait_for
 from omni_watchdog.probes.span_store import SpanRecord
@@ -33,13 +40,10 @@ from omni_watchdog.types import (
 
 pytestmark = pytest.mark.e2e
 
-Result = TypeVar("Result")
 STAGE = StageRef(0)
 ENGINE_TITLE = "VLLM::EngineCore"
 WORKER_TITLE = "VLLM::Worker"
 SOAK_SECONDS = 120.0
-# Long enough to still be decoding when a signal arrives a moment after its first token.
-LONG_REQUEST = 480
 SPAN_KIND_SERVER = 2
 
 
@@ -58,96 +62,6 @@ SLOWER_THAN_VLLM: dict[str, Any] = {
 }
 
 
-async def eventually(probe: Callable[[], Awaitable[Result | None]], timeout: float) -> Result:
-    """Poll an async `probe` until it returns something truthy, or raise TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"condition not met within {timeout:g}s")
-        await asyncio.sleep(0.25)
-
-
-def chat_body(max_tokens: int, stream: bool = False) -> dict[str, Any]:
-    return {
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": "What is vLLM?"}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        # A random model may say end-of-text at once; these requests must run their length.
-        "ignore_eos": True,
-        "stream": stream,
-    }
-
-
-async def chat(session: aiohttp.ClientSession, url: str, max_tokens: int = 8) -> int:
-    async with session.post(
-        url + "/v1/chat/completions",
-        json=chat_body(max_tokens),
-        timeout=aiohttp.ClientTimeout(total=60),
-    ) as response:
-        await response.read()
-        return response.status
-
-
-class Stream:
-    """A streaming chat completion read in the background: its events and how it ended."""
-
-    def __init__(self, session: aiohttp.ClientSession, url: str, max_tokens: int) -> None:
-        self.events: list[dict[str, Any]] = []
-        self.first_token = asyncio.Event()
-        self.task = asyncio.get_running_loop().create_task(self._read(session, url, max_tokens))
-
-    async def _read(self, session: aiohttp.ClientSession, url: str, max_tokens: int) -> None:
-        async with session.post(
-            url + "/v1/chat/completions",
-            json=chat_body(max_tokens, stream=True),
-            timeout=aiohttp.ClientTimeout(total=120),
-        ) as response:
-            async for line in response.content:
-                data = line.decode().strip().removeprefix("data:").strip()
-                if not data or data == "[DONE]":
-                    continue
-                self.events.append(json.loads(data))
-                self.first_token.set()
-
-    def errors(self) -> list[dict[str, Any]]:
-        return [event for event in self.events if "error" in event]
-
-    async def cancel(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self.task
-
-
-async def running_stream(session: aiohttp.ClientSession, server: VllmServer) -> Stream:
-    """A long streaming request that the engine is decoding right now."""
-    stream = Stream(session, server.url, LONG_REQUEST)
-    await asyncio.wait_for(stream.first_token.wait(), 30)
-    return stream
-
-
-async def health_status(session: aiohttp.ClientSession, server: VllmServer) -> int | None:
-    try:
-        async with session.get(
-            server.url + "/health", timeout=aiohttp.ClientTimeout(total=2)
-        ) as response:
-            return response.status
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return None
-
-
-def all_spans(watchdog: Any) -> list[SpanRecord]:
-    store = watchdog.store
-    return [record for stage in (*store.stages(), None) for record in store.recent(stage)]
-
-
-def evidence_kinds(incident: Any) -> set[EvidenceKind]:
-    return {e.kind for verdict in incident.verdicts for e in verdict.evidence}
-
-
 def recorded_crash(incident: Any) -> bool:
     return incident.outcome is IncidentOutcome.CRASHED or "crashed" in incident.cause
 
@@ -164,10 +78,6 @@ def is_request_of(span: SpanRecord, max_tokens: int) -> bool:
 
 def is_heartbeat_of(span: SpanRecord, pid: int) -> bool:
     return span.name == "omni.stage.loop" and span.pid == pid
-
-
-async def gone(server: VllmServer, timeout: float) -> None:
-    await wait_for(lambda: not server.leftovers(), timeout)
 
 
 def test_attaches_maps_the_tree_and_sees_spans_and_progress(

@@ -119,3 +119,13 @@ def test_the_admin_route_shuts_down_like_sigterm(sim: Sim) -> None:
     assert answer.status == 202
     assert sim.wait_exit(8) == 0
     wait_until(lambda: not sim.group(), 3)
+
+
+def test_030_stage_gauges_keep_their_last_batch_count_when_idle(sim: Sim) -> None:
+    # As the real vLLM-Omni 0.30: the gauges come from the stages' output batches, and an
+    # idle stage sends none, so each still says one request running after the reply.
+    sim.start("--stage-config", str(V030_CONFIG), "--model-generation", "0.30")
+    assert sim.chat().status == 200
+    for stage in ("0", "1", "2"):
+        assert sim.metric("vllm:num_requests_running", stage=stage, replica="0") == 1
+    assert sim.metric("vllm_omni:num_requests_running") == 0

@@ -1,0 +1,796 @@
+"""Real vLLM-Omni 0.30 on CPU: fault -> verdict and -> tree gone; the plugin's overhead.
+
+The overhead is measured on the real vLLM-Omni and on the real plain vLLM.
+
+Faults: each run starts a fresh three-stage server (thinker -> talker -> code2wav), sends
+its first requests, attaches a watchdog in enforce mode with the real-server tests'
+settings, makes one fault and measures from the fault to the stage's verdict (the
+detector's STALLED or DEAD, at the time the detector set it) and to the moment no process
+of the server's tree is left.
+
+First requests: every vLLM-Omni start is asked "ping" (one token), then a normal chat; a
+start counts as answered when both are 200, /health stays 200 and no stage worker died.
+The harness deploy file runs float32 because bfloat16 kernels killed a stage worker on
+its first forward now and then; `--bf16-starts` extra starts with the same file in
+bfloat16 show whether that still happens.
+
+Overhead: two servers side by side, one loading the plugin and exporting to a watchdog
+(observe mode, span receiver only), the other with every plugin but this one; rounds of
+the same load alternate between them, the order flipping every round, and the figure is
+the median of the per-round throughput ratios. The vLLM-Omni pair, then the plain vLLM
+pair: never all four at once (memory).
+
+    python benchmarks/bench_real_omni.py [--runs 3] [--fault block --fault raise --fault kill]
+        [--bf16-starts 3] [--rounds 8] [--only faults|overhead|bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import aiohttp
+import pytest
+
+# The tests' helpers for the real servers import each other as the test runner puts them
+# on the path: `tests/` itself.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_overhead import spans_received, wait_healthy
+from real_omni.server import (
+    DEPLOY_FILE,
+    MODEL_ARCHITECTURE,
+    OMNI_FAST,
+    OMNI_PYTHON,
+    OMNI_STAMP,
+    OTLP_TOKEN,
+    READY_TIMEOUT,
+    STAGE_NAMES,
+    engine_of,
+    omni_environment,
+    start_omni_server,
+    watched,
+)
+from real_vllm.client import chat, chat_body, health_status
+from real_vllm.server import MAKE_TINY_MODEL, VLLM_PYTHON, VLLM_STAMP, VllmServer
+from real_vllm.server import READY_TIMEOUT as VLLM_READY_TIMEOUT
+from results import record
+from watchdog_process import start_watchdog
+
+from omni_watchdog.demo import closed_incident, free_port, wait_for
+from omni_watchdog.instrument.telemetry import HEARTBEAT_INTERVAL_ENV
+from omni_watchdog.types import StageRef, StageState, StepName
+
+FAULTS_SECTION = "Real vLLM-Omni: detection and release"
+STARTS_SECTION = "Real vLLM-Omni: first requests after start"
+OVERHEAD_SECTION = "Real servers: plugin overhead"
+TREE_GONE_TARGET_S = 15.0
+OVERHEAD_TARGET = 0.99
+JUDGED = (StageState.STALLED, StageState.DEAD)
+# The rungs that end processes; capture only reads.
+ACTING = (StepName.SHUTDOWN, StepName.TERMINATE, StepName.KILL)
+# Every plugin of the vLLM-Omni environment but omni-watchdog's: vLLM-Omni's own models,
+# the harness (its general plugin registers the pipeline, its platform plugin of the same
+# name makes the CPU platform) and vLLM's LoRA resolvers.
+OMNI_PLUGINS_BUT_OURS = (
+    "vllm_omni_register_models,omni_cpu_harness,lora_filesystem_resolver,lora_hf_hub_resolver"
+)
+# The plain vLLM environment has no other plugin worth loading: an empty list loads none.
+VLLM_PLUGINS_BUT_OURS = ""
+WORKER_DIED = "died unexpectedly"
+DTYPE_LINE = "dtype: float32"
+ARCHITECTURE_ARGS = ("--architecture", MODEL_ARCHITECTURE)
+
+
+@dataclass(frozen=True)
+class Fault:
+    word: str  # a harness fault word, or "kill" for SIGKILL of the stage's engine core
+    label: str
+    stage_id: int
+    expected: StageState
+    verdict_target_s: float
+
+
+FAULTS = (
+    Fault("block", "blocked forward in stage 1", 1, StageState.STALLED, 5.0),
+    Fault("raise", "forward raising in stage 2", 2, StageState.DEAD, 3.0),
+    Fault("kill", "SIGKILL of stage 1's engine core", 1, StageState.DEAD, 3.0),
+)
+
+
+@dataclass(frozen=True)
+class StartCheck:
+    """How one server answered its first requests after ready."""
+
+    ping: int | None
+    chat: int | None
+    health: int | None
+    worker_died: bool
+
+    @property
+    def answered(self) -> bool:
+        return self.ping == 200 and self.chat == 200 and self.health == 200 and not self.worker_died
+
+    def describe(self) -> str:
+        died = ", a stage worker died" if self.worker_died else ""
+        return f"ping {self.ping}, chat {self.chat}, /health {self.health}{died}"
+
+
+@dataclass
+class FaultRun:
+    to_verdict_s: float | None = None  # the first STALLED or DEAD: the ladder starts there
+    to_gone_s: float | None = None
+    state_seen: StageState | None = None
+    # DEAD, counted only when it came before the ladder's first shutdown or signal: a stage
+    # that the remediation itself ended is dead by then whatever the fault was.
+    to_dead_s: float | None = None
+    dead_only_after_ladder: bool = False
+    outcome: str = "not started"
+
+
+@dataclass
+class Tally:
+    """Every vLLM-Omni start of this run: (dtype, answered its first requests)."""
+
+    starts: list[tuple[str, bool]] = field(default_factory=list)
+
+    def count(self, dtype: str) -> tuple[int, int]:
+        mine = [answered for kind, answered in self.starts if kind == dtype]
+        return sum(mine), len(mine)
+
+
+class StartFailed(Exception):
+    """A server that never became ready, or did not answer its first requests."""
+
+
+def interrupt_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # A terminated benchmark unwinds like Ctrl+C, through every `finally` that stops a server.
+    raise KeyboardInterrupt
+
+
+def make_models(workdir: Path, need_vllm: bool) -> tuple[Path, Path | None]:
+    """The tiny random models: the harness architecture for vLLM-Omni, plain for vLLM."""
+    omni_model = workdir / "omni-tiny-model"
+    subprocess.run(
+        [str(OMNI_PYTHON), str(MAKE_TINY_MODEL), str(omni_model), *ARCHITECTURE_ARGS],
+        check=True,
+        capture_output=True,
+        env={**os.environ, **omni_environment()},
+        timeout=180,
+    )
+    if not need_vllm:
+        return omni_model, None
+    vllm_model = workdir / "tiny-model"
+    subprocess.run(
+        [str(VLLM_PYTHON), str(MAKE_TINY_MODEL), str(vllm_model)],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=180,
+    )
+    return omni_model, vllm_model
+
+
+@contextlib.contextmanager
+def stopped_at_exit(servers: list[VllmServer]) -> Iterator[list[VllmServer]]:
+    """Every server put in the list is killed, with its whole tree, however the block ends."""
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+            # A killed process can take a moment to be reaped; one still there after
+            # that has escaped.
+            deadline = time.monotonic() + 10.0
+            while server.leftovers() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if server.leftovers():
+                print(f"processes left after stop: {server.leftovers()}", file=sys.stderr)
+
+
+async def ready(server: VllmServer, timeout: float) -> None:
+    # The helper fails the way a test fails; here that is a start that failed.
+    try:
+        await server.wait_ready(timeout)
+    except pytest.fail.Exception as failure:
+        raise StartFailed(str(failure)[-1500:]) from None
+
+
+async def ping(session: aiohttp.ClientSession, url: str) -> int | None:
+    body = {**chat_body(1), "messages": [{"role": "user", "content": "ping"}]}
+    try:
+        async with session.post(
+            url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)
+        ) as response:
+            await response.read()
+            return response.status
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+
+
+async def chat_status(session: aiohttp.ClientSession, url: str) -> int | None:
+    try:
+        return await chat(session, url)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+
+
+async def first_requests(server: VllmServer) -> StartCheck:
+    """A "ping" for one token, a normal chat, then /health once a dead worker would show."""
+    async with aiohttp.ClientSession() as session:
+        pinged = await ping(session, server.url)
+        chatted = await chat_status(session, server.url)
+        # A stage whose worker died is evicted within a second or so: /health turns 503.
+        await asyncio.sleep(2.0)
+        health = await health_status(session, server)
+    died = WORKER_DIED in server.log_path.read_text(errors="replace")
+    return StartCheck(pinged, chatted, health, died)
+
+
+def stage_status(watchdog: Any, stage: StageRef) -> Any:
+    report = watchdog.last_report
+    return next((s for s in report.statuses if s.stage == stage), None) if report else None
+
+
+async def verdict_and_gone(
+    watchdog: Any,
+    server: VllmServer,
+    stage: StageRef,
+    fault_at: float,
+    timeout: float,
+) -> tuple[FaultRun, float | None]:
+    """From `fault_at` (monotonic): until the stage is judged and the server's tree is gone.
+
+    The detector stamps each state with the watchdog's monotonic clock, the same as this
+    process's; its report comes every quarter second, so the verdict time is the
+    detector's own, not the poll's. A server that ends before the verdict still counts
+    for the tree. Also returns when the stage was first DEAD (monotonic), if it was."""
+    run = FaultRun(outcome="no incident")
+    dead_since: float | None = None
+    deadline = fault_at + timeout
+    polls = 0
+    while time.monotonic() < deadline and (
+        run.to_verdict_s is None or run.to_gone_s is None or dead_since is None
+    ):
+        if polls % 5 == 0:
+            # A process the tree starts after the fault belongs to it too; walking the
+            # whole process table is dearer than checking the known ones, so less often.
+            server.tree()
+        polls += 1
+        status = stage_status(watchdog, stage)
+        if run.to_verdict_s is None and status is not None and status.state in JUDGED:
+            run.to_verdict_s, run.state_seen = status.since - fault_at, status.state
+        if dead_since is None and status is not None and status.state is StageState.DEAD:
+            dead_since = status.since
+        if run.to_gone_s is None and not server.leftovers():
+            run.to_gone_s = time.monotonic() - fault_at
+            # A server that ended before any verdict gets a few seconds for one, no more.
+            deadline = min(deadline, time.monotonic() + 10.0)
+        await asyncio.sleep(0.1)
+    return run, dead_since
+
+
+async def fault_scenario(server: VllmServer, faults: Any, fault: Fault, workdir: Path) -> FaultRun:
+    stage = StageRef(fault.stage_id)
+    async with watched(server, workdir) as watchdog, aiohttp.ClientSession() as session:
+        server.tree()  # every process of the tree, remembered for the tree-gone check
+        background: list[asyncio.Task[int | None]] = []
+        engine = engine_of(server, fault.stage_id) if fault.word == "kill" else None
+        # The ladder's steps carry wall-clock times; the detector's states monotonic ones.
+        wall_minus_monotonic = time.time() - time.monotonic()
+        fault_at = time.monotonic()
+        if engine is not None:
+            server.signal(engine, signal.SIGKILL)
+        else:
+            faults.arm(fault.stage_id, fault.word)
+            background.append(asyncio.create_task(chat_status(session, server.url)))
+        run, dead_since = await verdict_and_gone(watchdog, server, stage, fault_at, 60.0)
+        acted_at: float | None = None
+        with contextlib.suppress(TimeoutError):
+            incident = await wait_for(lambda: closed_incident(watchdog), 30.0)
+            run.outcome = incident.outcome.value
+            acted_at = next(
+                (s.started - wall_minus_monotonic for s in incident.steps if s.step in ACTING),
+                None,
+            )
+        if dead_since is not None and (acted_at is None or dead_since <= acted_at):
+            run.to_dead_s = dead_since - fault_at
+        elif dead_since is not None:
+            run.dead_only_after_ladder = True
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+    return run
+
+
+def measure_fault(fault: Fault, model: Path, workdir: Path, tally: Tally) -> FaultRun:
+    with stopped_at_exit([]) as servers:
+        server, faults = start_omni_server(model, workdir)
+        servers.append(server)
+
+        async def scenario() -> FaultRun:
+            await ready(server, READY_TIMEOUT)
+            check = await first_requests(server)
+            tally.starts.append(("float32", check.answered))
+            if not check.answered:
+                return FaultRun(outcome=f"first requests failed ({check.describe()})")
+            return await fault_scenario(server, faults, fault, workdir)
+
+        try:
+            return asyncio.run(scenario())
+        except StartFailed as failure:
+            tally.starts.append(("float32", False))
+            print(f"  start failed: {failure}", file=sys.stderr)
+            return FaultRun(outcome="not ready")
+        except Exception:
+            # One broken run must not cost the others; it shows in the outcomes.
+            traceback.print_exc()
+            return FaultRun(outcome="error")
+
+
+def seconds(values: list[float]) -> str:
+    if not values:
+        return "-"
+    median = statistics.median(values)
+    return f"{median:.2f} s (median; {min(values):.2f} - {max(values):.2f})"
+
+
+def within(values: list[float], runs: int, target: float, missing: str = "measured") -> str:
+    if len(values) < runs:
+        return f"FAIL (not {missing} in every run)"
+    return "pass" if statistics.median(values) <= target else "FAIL"
+
+
+def fault_rows(fault: Fault, runs: list[FaultRun]) -> list[tuple[str, str, str, str]]:
+    verdicts = [r.to_verdict_s for r in runs if r.to_verdict_s is not None]
+    gones = [r.to_gone_s for r in runs if r.to_gone_s is not None]
+    states = sorted({r.state_seen.value for r in runs if r.state_seen is not None})
+    outcomes = sorted({r.outcome for r in runs})
+    label = f"{fault.label}, {len(runs)} runs, outcomes {outcomes}"
+    target = f"<= {fault.verdict_target_s:g} s"
+    rows = [
+        (
+            f"{label}: fault -> first verdict ({'/'.join(states) or 'none'})",
+            seconds(verdicts),
+            target,
+            within(verdicts, len(runs), fault.verdict_target_s),
+        )
+    ]
+    if fault.expected is StageState.DEAD:
+        deads = [r.to_dead_s for r in runs if r.to_dead_s is not None]
+        late = sum(r.dead_only_after_ladder for r in runs)
+        shown = seconds(deads)
+        if late:
+            shown += f"; dead only once the ladder acted in {late} of {len(runs)} runs"
+        rows.append(
+            (
+                f"{label}: fault -> dead, before the ladder acts",
+                shown,
+                target,
+                within(deads, len(runs), fault.verdict_target_s, "dead before the ladder"),
+            )
+        )
+    rows.append(
+        (
+            f"{label}: fault -> tree gone",
+            seconds(gones),
+            f"<= {TREE_GONE_TARGET_S:g} s",
+            within(gones, len(runs), TREE_GONE_TARGET_S),
+        )
+    )
+    return rows
+
+
+def run_faults(
+    chosen: list[Fault], runs: int, model: Path, workdir: Path, tally: Tally
+) -> list[tuple[str, str, str, str]]:
+    rows: list[tuple[str, str, str, str]] = []
+    for fault in chosen:
+        measured = []
+        for index in range(runs):
+            run = measure_fault(fault, model, workdir / f"{fault.word}-{index + 1}", tally)
+            measured.append(run)
+            late = " (only once the ladder acted)" if run.dead_only_after_ladder else ""
+            print(
+                f"{fault.label} run {index + 1}: first verdict {run.to_verdict_s}s"
+                f" ({run.state_seen.value if run.state_seen else '-'}),"
+                f" dead {run.to_dead_s}s{late}, tree gone {run.to_gone_s}s, {run.outcome}",
+                flush=True,
+            )
+        rows += fault_rows(fault, measured)
+    return rows
+
+
+def faults_note() -> str:
+    detection, probes, ladder = (OMNI_FAST[name] for name in ("detection", "probes", "ladder"))
+    return (
+        f"The real vLLM-Omni 0.30 on CPU (the tests' harness: {' -> '.join(STAGE_NAMES)}, a "
+        "tiny random Llama, float32), a fresh server per run; after its first requests a "
+        "watchdog attaches in enforce mode with the real-server tests' settings "
+        f"(heartbeat_timeout {detection['heartbeat_timeout']}, progress_timeout "
+        f"{detection['progress_timeout']}, stuck_timeout {detection['stuck_timeout']}, "
+        f"confirm_timeout {detection['confirm_timeout']}, probes every {probes['interval']}, "
+        f"canary every {probes['canary_interval']}, shutdown_grace "
+        f"{ladder['shutdown_grace']}, term_grace {ladder['term_grace']}). The fault time is "
+        "when the fault was armed and the one request that meets it sent, or the SIGKILL "
+        "sent; the first verdict is the detector's first STALLED or DEAD for the stage (the "
+        "ladder starts there), dead its first DEAD if that came before the ladder's first "
+        "shutdown or signal; tree gone: no process of the server's tree left. Medians with "
+        "min - max; `python benchmarks/bench_real_omni.py --only faults`."
+    )
+
+
+def bf16_deploy_file(directory: Path) -> Path:
+    """The harness deploy file, word for word, but for bfloat16."""
+    text = DEPLOY_FILE.read_text()
+    assert DTYPE_LINE in text, f"{DEPLOY_FILE.name} no longer says {DTYPE_LINE!r}"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "deploy-bf16.yaml"
+    path.write_text(text.replace(DTYPE_LINE, "dtype: bfloat16"))
+    return path
+
+
+def run_bf16_starts(starts: int, model: Path, workdir: Path, tally: Tally) -> None:
+    deploy = bf16_deploy_file(workdir)
+    for index in range(starts):
+        with stopped_at_exit([]) as servers:
+            server, _ = start_omni_server(model, workdir / f"start-{index + 1}", deploy_file=deploy)
+            servers.append(server)
+
+            async def scenario(server: VllmServer = server) -> StartCheck:
+                await ready(server, READY_TIMEOUT)
+                return await first_requests(server)
+
+            try:
+                check = asyncio.run(scenario())
+            except StartFailed as failure:
+                print(f"bfloat16 start {index + 1}: not ready: {failure}", flush=True)
+                tally.starts.append(("bfloat16", False))
+                continue
+            except Exception:
+                # Not the server's answer but this benchmark's failure: not counted.
+                traceback.print_exc()
+                continue
+            tally.starts.append(("bfloat16", check.answered))
+            print(f"bfloat16 start {index + 1}: {check.describe()}", flush=True)
+
+
+def start_rows(tally: Tally) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for dtype, source in (
+        ("float32", "the harness deploy file"),
+        ("bfloat16", "the same file in bfloat16"),
+    ):
+        answered, starts = tally.count(dtype)
+        if starts:
+            rows.append(
+                (
+                    f"{dtype} ({source}): starts that answered their first requests",
+                    f"{answered} of {starts}",
+                    "information",
+                    "-",
+                )
+            )
+    return rows
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One kind of server, started twice: with the plugin and without."""
+
+    name: str
+    requests: int
+    with_env: Mapping[str, str]
+    without_env: Mapping[str, str]
+    receiver_settings: tuple[str, ...]
+    omni: bool
+
+
+async def load(session: aiohttp.ClientSession, url: str, requests: int, in_flight: int) -> float:
+    """Requests per second for `requests` chat completions, `in_flight` at a time."""
+    remaining = iter(range(requests))
+
+    async def worker() -> None:
+        for _ in remaining:
+            status = await chat(session, url)
+            if status != 200:
+                raise RuntimeError(f"{url}: HTTP {status}")
+
+    begun = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    return requests / (time.perf_counter() - begun)
+
+
+@dataclass
+class OverheadFigures:
+    with_plugin: list[float]
+    without: list[float]
+    spans_with: float
+    spans_without: float
+
+    @property
+    def ratios(self) -> list[float]:
+        return [w / b for w, b in zip(self.with_plugin, self.without, strict=True)]
+
+
+async def alternate(
+    instrumented: VllmServer,
+    bare: VllmServer,
+    api_urls: tuple[str, str],
+    rounds: int,
+    requests: int,
+    in_flight: int,
+) -> OverheadFigures:
+    figures = OverheadFigures([], [], 0.0, 0.0)
+    connector = aiohttp.TCPConnector(limit=in_flight * 2)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for api_url in api_urls:
+            await wait_healthy(session, api_url + "/healthz", 60)
+        for server in (instrumented, bare):  # warm both: connections, stage queues, exporters
+            await load(session, server.url, max(in_flight, requests // 4), in_flight)
+        for index in range(rounds):
+            order = [(instrumented, figures.with_plugin), (bare, figures.without)]
+            for server, measured in order if index % 2 == 0 else reversed(order):
+                measured.append(await load(session, server.url, requests, in_flight))
+            print(
+                f"  round {index + 1}: with {figures.with_plugin[-1]:.2f}/s,"
+                f" without {figures.without[-1]:.2f}/s",
+                flush=True,
+            )
+        # Let the plugin's exporters flush their last batches.
+        await asyncio.sleep(2.0)
+        figures.spans_with = await spans_received(session, api_urls[0])
+        figures.spans_without = await spans_received(session, api_urls[1])
+    return figures
+
+
+def start_pair_server(pair: Pair, model: Path, workdir: Path, env: Mapping[str, str]) -> VllmServer:
+    if pair.omni:
+        server, _ = start_omni_server(model, workdir, env)
+        return server
+    return VllmServer.start(model, workdir, env)
+
+
+def measure_pair(
+    pair: Pair, model: Path, workdir: Path, rounds: int, in_flight: int, tally: Tally
+) -> OverheadFigures:
+    receivers: list[subprocess.Popen[bytes]] = []
+    with stopped_at_exit([]) as servers:
+        try:
+            api_urls = []
+            for name, env in (("with", pair.with_env), ("without", pair.without_env)):
+                server = start_pair_server(pair, model, workdir / name, env)
+                servers.append(server)
+                # Both get a receiver on their OTLP port, so that the one difference between
+                # them is the plugin: only its spans reach the receiver of the first.
+                api_port = free_port()
+                receivers.append(
+                    start_watchdog(
+                        workdir / name,
+                        server.url,
+                        api_port,
+                        server.otlp_port,
+                        ["probes.enabled=spans", *pair.receiver_settings],
+                        generation=None,
+                    )
+                )
+                api_urls.append(f"http://127.0.0.1:{api_port}")
+
+                # One after the other: two starts at once on a small machine fight for
+                # memory at their peak.
+                async def started(server: VllmServer = server) -> StartCheck:
+                    await ready(server, READY_TIMEOUT if pair.omni else VLLM_READY_TIMEOUT)
+                    return await first_requests(server)
+
+                try:
+                    check = asyncio.run(started())
+                except StartFailed:
+                    if pair.omni:
+                        tally.starts.append(("float32", False))
+                    raise
+                if pair.omni:
+                    tally.starts.append(("float32", check.answered))
+                if not check.answered:
+                    raise StartFailed(f"{pair.name} {name}: {check.describe()}")
+            return asyncio.run(
+                alternate(
+                    servers[0],
+                    servers[1],
+                    (api_urls[0], api_urls[1]),
+                    rounds,
+                    pair.requests,
+                    in_flight,
+                )
+            )
+        finally:
+            for receiver in receivers:
+                receiver.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    receiver.wait(timeout=10)
+
+
+def overhead_rows(pair: Pair, figures: OverheadFigures) -> list[tuple[str, str, str, str]]:
+    ratios = figures.ratios
+    ratio = statistics.median(ratios)
+    return [
+        (
+            f"{pair.name}: throughput ratio, with / without the plugin",
+            f"{ratio:.3f}",
+            f">= {OVERHEAD_TARGET}",
+            "pass" if ratio >= OVERHEAD_TARGET else "FAIL",
+        ),
+        (
+            f"{pair.name}: requests/s with / without the plugin",
+            f"{statistics.median(figures.with_plugin):.2f} / "
+            f"{statistics.median(figures.without):.2f}",
+            "information",
+            "-",
+        ),
+        (
+            f"{pair.name}: lowest / highest round ratio",
+            f"{min(ratios):.3f} / {max(ratios):.3f}",
+            "information",
+            "-",
+        ),
+        (
+            f"{pair.name}: spans received, with / without the plugin",
+            f"{figures.spans_with:,.0f} / {figures.spans_without:,.0f}",
+            "information",
+            "-",
+        ),
+    ]
+
+
+def pairs(args: argparse.Namespace) -> list[Pair]:
+    heartbeat = {HEARTBEAT_INTERVAL_ENV: f"{args.heartbeat:g}"}
+    return [
+        Pair(
+            "vLLM-Omni 0.30",
+            args.omni_requests,
+            heartbeat,
+            {**heartbeat, "VLLM_PLUGINS": OMNI_PLUGINS_BUT_OURS},
+            (f"otlp_token={OTLP_TOKEN}",),
+            omni=True,
+        ),
+        Pair(
+            "vLLM 0.32",
+            args.vllm_requests,
+            heartbeat,
+            {**heartbeat, "VLLM_PLUGINS": VLLM_PLUGINS_BUT_OURS},
+            (),
+            omni=False,
+        ),
+    ]
+
+
+def run_overhead(
+    args: argparse.Namespace, omni_model: Path, vllm_model: Path, workdir: Path, tally: Tally
+) -> list[tuple[str, str, str, str]]:
+    rows: list[tuple[str, str, str, str]] = []
+    for pair in pairs(args):
+        model = omni_model if pair.omni else vllm_model
+        try:
+            figures = measure_pair(
+                pair, model, workdir / pair.name.split()[0], args.rounds, args.in_flight, tally
+            )
+        except Exception:
+            # The other pair is still worth measuring; this one shows as not measured.
+            traceback.print_exc()
+            rows.append((f"{pair.name}: throughput ratio", "-", f">= {OVERHEAD_TARGET}", "FAIL"))
+            continue
+        if figures.spans_with <= figures.spans_without or (pair.omni and figures.spans_without):
+            # Only the plugin's spans make the difference (plain vLLM exports its own to
+            # both receivers): without it, the ratio would compare two equal servers.
+            print(
+                f"{pair.name}: spans with / without the plugin "
+                f"{figures.spans_with:,.0f} / {figures.spans_without:,.0f}",
+                file=sys.stderr,
+            )
+            rows.append((f"{pair.name}: throughput ratio", "-", f">= {OVERHEAD_TARGET}", "FAIL"))
+            continue
+        ratios = figures.ratios
+        print(
+            f"{pair.name}: ratio {statistics.median(ratios):.3f}"
+            f" (rounds {', '.join(f'{r:.3f}' for r in ratios)}),"
+            f" spans {figures.spans_with:,.0f} / {figures.spans_without:,.0f}",
+            flush=True,
+        )
+        rows += overhead_rows(pair, figures)
+    return rows
+
+
+def overhead_note(args: argparse.Namespace) -> str:
+    return (
+        "Two real servers side by side, one with the omni-watchdog plugin (heartbeat every "
+        f"{args.heartbeat:g} s) exporting to a watchdog in observe mode (span receiver only), "
+        "one with `VLLM_PLUGINS` naming every other plugin (vLLM-Omni: its models, the "
+        "harness, the LoRA resolvers; plain vLLM: none), each with a receiver of its own; "
+        f"{args.rounds} alternating rounds of chat requests (8 tokens, {args.in_flight} in "
+        f"flight; vLLM-Omni {args.omni_requests} a round, vLLM {args.vllm_requests}), the "
+        "order flipping every round; median of the per-round ratios. The vLLM-Omni pair, "
+        "then the plain pair; `python benchmarks/bench_real_omni.py --only overhead`."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["faults", "overhead", "bf16"])
+    parser.add_argument("--runs", type=int, default=3, help="fresh servers per fault")
+    parser.add_argument(
+        "--fault",
+        action="append",
+        choices=[f.word for f in FAULTS],
+        help="measure only this fault (repeatable)",
+    )
+    parser.add_argument("--bf16-starts", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=8, help="overhead rounds per server")
+    parser.add_argument("--omni-requests", type=int, default=64, help="requests per round")
+    parser.add_argument("--vllm-requests", type=int, default=256, help="requests per round")
+    parser.add_argument("--in-flight", type=int, default=4)
+    parser.add_argument("--heartbeat", type=float, default=1.0, help="plugin heartbeat, s")
+    args = parser.parse_args(argv)
+    parts = {args.only} if args.only else {"faults", "bf16", "overhead"}
+    if not OMNI_STAMP.exists() or ("overhead" in parts and not VLLM_STAMP.exists()):
+        print("skipped: the real vLLM-Omni and vLLM environments are missing (make tools)")
+        return 0
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
+    # The servers' plugin and this process's watchdogs must not pick up outside settings.
+    for name in [name for name in os.environ if name.startswith("OMNI_WATCHDOG_")]:
+        del os.environ[name]
+    begun = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="omni-bench-real-"))
+    tally = Tally()
+    failed = False
+    omni_model, vllm_model = make_models(workdir, "overhead" in parts)
+    if "faults" in parts:
+        chosen = [f for f in FAULTS if not args.fault or f.word in args.fault]
+        rows = run_faults(chosen, args.runs, omni_model, workdir / "faults", tally)
+        failed = failed or any(row[3].startswith("FAIL") for row in rows)
+        record(FAULTS_SECTION, rows, faults_note())
+        print("\n".join(" | ".join(row) for row in rows), flush=True)
+    if "bf16" in parts:
+        run_bf16_starts(args.bf16_starts, omni_model, workdir / "bf16", tally)
+    if "overhead" in parts:
+        assert vllm_model is not None
+        rows = run_overhead(args, omni_model, vllm_model, workdir / "overhead", tally)
+        failed = failed or any(row[3].startswith("FAIL") for row in rows)
+        record(OVERHEAD_SECTION, rows, overhead_note(args))
+        print("\n".join(" | ".join(row) for row in rows), flush=True)
+    rows = start_rows(tally)
+    if rows:
+        record(
+            STARTS_SECTION,
+            rows,
+            "Every vLLM-Omni start of `python benchmarks/bench_real_omni.py`: once ready, "
+            '"ping" for one token, then a chat of 8; answered when both are 200, /health '
+            'is still 200 two seconds later and the log has no "died unexpectedly" of a '
+            "stage worker. bfloat16: `--bf16-starts` extra starts, the harness deploy file "
+            "with only its dtype changed.",
+        )
+        print("\n".join(" | ".join(row) for row in rows), flush=True)
+    print(f"took {(time.monotonic() - begun) / 60:.1f} min", flush=True)
+    if failed or not all(answered for _, answered in tally.starts):
+        print(f"the servers' and watchdogs' logs: {workdir}", file=sys.stderr)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The wire format of the plugin's topology report: one `omni.pipeline.topology` span.
+
+vLLM-Omni 0.30 keeps its stage graph in code, so the watchdog cannot read it from a file;
+the instrument plugin reads the pipeline running in the API server and sends it as a span
+whose attributes are parallel lists, one item per stage, in stage order. OpenTelemetry
+attributes hold no nested lists, so each stage's inputs are one text, "0,1". Kept free of
+heavy imports: the plugin loads it inside vLLM processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from omni_watchdog.types import Stage
+
+TOPOLOGY_SPAN = "omni.pipeline.topology"
+STAGE_IDS = "omni.pipeline.stage_ids"
+STAGE_NAMES = "omni.pipeline.stage_names"
+STAGE_REPLICAS = "omni.pipeline.stage_replicas"
+STAGE_INPUTS = "omni.pipeline.stage_inputs"
+STAGE_FINAL_OUTPUT = "omni.pipeline.stage_final_output"
+KEYS = frozenset({STAGE_IDS, STAGE_NAMES, STAGE_REPLICAS, STAGE_INPUTS, STAGE_FINAL_OUTPUT})
+# Stage names become metric labels; the watchdog refuses a report with a longer one.
+MAX_STAGE_NAME = 64
+
+
+def encode_report(stages: Sequence[Stage]) -> dict[str, list[int] | list[str] | list[bool]]:
+    """The span attributes that describe these stages (their ids, names, replica counts,
+    input stage ids and whether they give the request's output)."""
+    return {
+        STAGE_IDS: [stage.stage_id for stage in stages],
+        STAGE_NAMES: [stage.name[:MAX_STAGE_NAME] for stage in stages],
+        STAGE_REPLICAS: [stage.replicas for stage in stages],
+        STAGE_INPUTS: [",".join(str(source) for source in stage.upstream) for stage in stages],
+        STAGE_FINAL_OUTPUT: [stage.final_output for stage in stages],
+    }

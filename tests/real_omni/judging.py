@@ -1,0 +1,43 @@
+"""What the fault tests ask of a server and of the watchdog's incidents."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from real_vllm.client import chat
+from real_vllm.server import VllmServer
+
+from omni_watchdog.types import StageRef, StepName
+
+
+def in_background(server: VllmServer, session: aiohttp.ClientSession, count: int = 1) -> Any:
+    """`count` chat requests left running; what each ended with, whenever it does."""
+    loop = asyncio.get_running_loop()
+    return [loop.create_task(chat_status(session, server.url)) for _ in range(count)]
+
+
+async def chat_status(session: aiohttp.ClientSession, url: str) -> int | None:
+    try:
+        return await chat(session, url)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+
+
+def verdict_on(incident: Any, stage: StageRef) -> Any:
+    return next((v for v in incident.verdicts if v.stage == stage), None)
+
+
+def step_of(incident: Any, name: StepName) -> Any:
+    return next((s for s in incident.steps if s.step is name), None)
+
+
+async def wait_for_async(probe: Callable[[], Any], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not await probe():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"condition not met within {timeout:g}s")
+        await asyncio.sleep(0.25)

@@ -1,0 +1,199 @@
+"""End to end, on a healthy real vLLM-Omni 0.30 (CPU) shared by every test here.
+
+The server is a three-stage text pipeline shaped like Qwen2.5-Omni's (thinker → talker →
+code2wav), each stage an engine-core process with its worker; none of these tests harms
+it, and the watchdog, in enforce mode where it could act, must never touch it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from e2e.harness import state
+from real_omni.server import STAGES, Faults, engine_of, watched
+from real_vllm.client import (
+    LONG_REQUEST,
+    Stream,
+    all_spans,
+    chat,
+    health_status,
+)
+from real_vllm.server import VllmServer
+
+from omni_watchdog.config import load_config
+from omni_watchdog.demo import wait_for
+from omni_watchdog.types import (
+    StageRef,
+    StageState,
+)
+
+# A server of its own takes two minutes and more to start on two busy cores.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+OmniServer = tuple[VllmServer, Faults]
+LOAD_SECONDS = 180.0
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as response:
+        assert response.status == 200, url
+        return await response.json()
+
+
+async def served_requests(session: aiohttp.ClientSession, server: VllmServer) -> float:
+    """Requests the server's final stage finished, from its own /metrics."""
+    async with session.get(server.url + "/metrics") as response:
+        page = await response.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith("vllm:request_success_total{") and f'stage="{len(STAGES) - 1}"' in line
+    )
+
+
+def test_every_stage_engine_beats_with_its_stage_and_replica(
+    shared_omni: OmniServer, tmp_path: Path
+) -> None:
+    server, _ = shared_omni
+    engines = {stage_id: engine_of(server, stage_id).pid for stage_id in range(len(STAGES))}
+
+    async def scenario() -> None:
+        async with watched(server, tmp_path, mode="observe") as watchdog:
+
+            def beats() -> dict[int, StageRef | None]:
+                found = {
+                    span.pid: span.stage
+                    for span in all_spans(watchdog)
+                    if span.name == "omni.stage.loop" and span.pid in engines.values()
+                }
+                return found if len(found) == len(engines) else {}
+
+            by_pid = await wait_for(beats, 15)
+            assert by_pid == {pid: StageRef(stage_id, 0) for stage_id, pid in engines.items()}
+            for stage in STAGES:
+                assert watchdog.detector.last_heartbeat(stage) is not None
+
+    asyncio.run(scenario())
+
+
+def test_topology_comes_from_the_running_pipeline_without_a_stage_config(
+    shared_omni: OmniServer, tmp_path: Path
+) -> None:
+    server, _ = shared_omni
+
+    async def scenario() -> None:
+        async with (
+            watched(server, tmp_path, mode="observe") as watchdog,
+            aiohttp.ClientSession() as session,
+        ):
+            assert not watchdog.config.stage_config
+            await wait_for(lambda: watchdog.topology.source == "plugin", 30)
+            status = await get_json(session, f"http://127.0.0.1:{watchdog.api_port}/v1/status")
+            topology = status["topology"]
+            assert topology["source"] == "plugin"
+            stages = [
+                (s["stage_id"], s["name"], s["replicas"], s["upstream"], s["final_output"])
+                for s in topology["stages"]
+            ]
+            assert stages == [
+                (0, "thinker", 1, [], False),
+                (1, "talker", 1, [0], False),
+                (2, "code2wav", 1, [1], True),
+            ]
+            served = {(s["stage_id"], s["replica"]) for s in status["stages"] if s["pids"]}
+            assert served == {(stage.stage_id, 0) for stage in STAGES}
+
+    asyncio.run(scenario())
+
+
+def test_default_canary_never_harms_a_healthy_idle_server(
+    shared_omni: OmniServer, tmp_path: Path
+) -> None:
+    server, _ = shared_omni
+    defaults = load_config(environ={}).probes
+    default_canary = {
+        "probes": {
+            "canary_interval": f"{defaults.canary_interval}s",
+            "canary_deadline": f"{defaults.canary_deadline}s",
+        }
+    }
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            before = await served_requests(session, server)
+            async with watched(server, tmp_path, overrides=default_canary) as watchdog:
+                seen: set[StageState | None] = set()
+                deadline = time.monotonic() + 8 * defaults.canary_interval
+                while time.monotonic() < deadline:
+                    seen |= {state(watchdog, stage) for stage in STAGES}
+                    await asyncio.sleep(0.5)
+                assert seen <= {StageState.HEALTHY, StageState.DEGRADED}, seen
+                assert not watchdog.policy.incidents()
+            # Nobody else talked to the server: what it served were the canaries.
+            assert await served_requests(session, server) - before >= 3
+            assert await health_status(session, server) == 200
+
+    asyncio.run(scenario())
+
+
+def test_client_gone_mid_request_is_no_reason_to_act(
+    shared_omni: OmniServer, tmp_path: Path
+) -> None:
+    server, _ = shared_omni
+
+    async def scenario() -> None:
+        async with watched(server, tmp_path) as watchdog, aiohttp.ClientSession() as session:
+            for _ in range(3):
+                stream = Stream(session, server.url, LONG_REQUEST)
+                await asyncio.sleep(1.5)
+                await stream.cancel()
+            # Longer than every detection timeout of the fast settings.
+            quiet_until = time.monotonic() + 12
+            while time.monotonic() < quiet_until:
+                assert all(
+                    state(watchdog, stage) in {StageState.HEALTHY, StageState.DEGRADED}
+                    for stage in STAGES
+                )
+                await asyncio.sleep(0.5)
+            assert not watchdog.policy.incidents()
+            assert await chat(session, server.url) == 200
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(LOAD_SECONDS + 180)
+def test_steady_load_with_one_slow_stage_is_never_worse_than_degraded(
+    shared_omni: OmniServer, tmp_path: Path
+) -> None:
+    server, faults = shared_omni
+    talker = StageRef(1)
+
+    async def scenario() -> None:
+        async with watched(server, tmp_path) as watchdog, aiohttp.ClientSession() as session:
+            # Each of the talker's engine steps takes a quarter of a second longer: slow,
+            # well within every timeout.
+            faults.arm(talker.stage_id, "slow:0.25")
+            try:
+                seen: set[StageState | None] = set()
+                served = 0
+                deadline = time.monotonic() + LOAD_SECONDS
+                while time.monotonic() < deadline:
+                    statuses = await asyncio.gather(
+                        chat(session, server.url, 16), chat(session, server.url, 4)
+                    )
+                    assert list(statuses) == [200, 200]
+                    served += len(statuses)
+                    seen |= {state(watchdog, stage) for stage in STAGES}
+            finally:
+                faults.disarm(talker.stage_id)
+            assert seen <= {StageState.HEALTHY, StageState.DEGRADED}, seen
+            assert not watchdog.policy.incidents()
+            assert served > 20
+            assert server.process.poll() is None
+
+    asyncio.run(scenario())

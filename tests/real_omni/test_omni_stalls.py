@@ -1,0 +1,116 @@
+"""End to end: real stalls of the real vLLM-Omni 0.30 (CPU), the watchdog in enforce mode.
+
+Each test starts its own three-stage server (thinker → talker → code2wav) and stops one
+stage from making progress, as production does: a forward that never returns, a stopped
+stage engine, a killed API server that leaves a hung stage behind. Only processes a test
+started are signalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from e2e.harness import RECOVERED, incident_done, state
+from real_omni.judging import in_background, step_of, verdict_on
+from real_omni.server import Faults, engine_of, watched
+from real_vllm.client import (
+    evidence_kinds,
+    gone,
+    health_status,
+)
+from real_vllm.server import VllmServer
+
+from omni_watchdog.demo import wait_for
+from omni_watchdog.types import (
+    EvidenceKind,
+    IncidentOutcome,
+    StageRef,
+    StageState,
+    StepName,
+    StepOutcome,
+)
+
+# A server of its own takes two minutes and more to start on two busy cores.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+OmniServer = tuple[VllmServer, Faults]
+
+
+def test_blocked_forward_is_stalled_and_ended_through_admin_shutdown(
+    fresh_omni: Callable[..., OmniServer], tmp_path: Path
+) -> None:
+    server, faults = fresh_omni()
+    server.tree()
+    talker = StageRef(1)
+
+    async def scenario() -> None:
+        async with watched(server, tmp_path) as watchdog, aiohttp.ClientSession() as session:
+            faults.arm(talker.stage_id, "block")
+            in_background(server, session)
+            # vLLM-Omni 0.30 answers /health with 200 all along: only the watchdog tells.
+            await wait_for(lambda: state(watchdog, talker) is not StageState.HEALTHY, 30)
+            assert await health_status(session, server) == 200
+            incident = await incident_done(watchdog, 90)
+            verdict = verdict_on(incident, talker)
+            assert verdict is not None and verdict.state is StageState.STALLED, incident
+            assert EvidenceKind.HEALTH_FAILED not in evidence_kinds(incident)
+            shutdown = step_of(incident, StepName.SHUTDOWN)
+            assert shutdown is not None and shutdown.outcome is StepOutcome.RECOVERED, incident
+            assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN, incident.steps
+            assert not server.leftovers()
+
+    asyncio.run(scenario())
+
+
+def test_stopped_stage_engine_is_stalled_and_the_tree_ended(
+    fresh_omni: Callable[..., OmniServer], tmp_path: Path
+) -> None:
+    server, _ = fresh_omni()
+    thinker = StageRef(0)
+    engine = engine_of(server, thinker.stage_id)
+
+    async def scenario() -> None:
+        async with watched(server, tmp_path) as watchdog, aiohttp.ClientSession() as session:
+            server.signal(engine, signal.SIGSTOP)
+            in_background(server, session)
+            incident = await incident_done(watchdog, 90)
+            verdict = verdict_on(incident, thinker)
+            assert verdict is not None and verdict.state is StageState.STALLED, incident
+            assert EvidenceKind.PROCESS_STUCK in evidence_kinds(incident)
+            assert incident.outcome in RECOVERED, incident.steps
+            assert not server.leftovers()
+
+    asyncio.run(scenario())
+
+
+def test_killed_api_server_leaves_orphans_that_are_found_and_ended(
+    fresh_omni: Callable[..., OmniServer], tmp_path: Path
+) -> None:
+    server, _ = fresh_omni()
+    # Orphaned stage processes of 0.30 exit by themselves within seconds, unless one is
+    # hung: the stopped engine is the orphan only the watchdog will end.
+    hung = engine_of(server, 1)
+
+    async def scenario() -> None:
+        async with watched(server, tmp_path) as watchdog:
+            server.signal(hung, signal.SIGSTOP)
+            server.signal(server.tree()[0], signal.SIGKILL)
+            await wait_for(lambda: server.process.poll() is not None, 10)
+            incident = await incident_done(watchdog, 90)
+            assert "orphan" in incident.cause, incident.cause
+            ended = {
+                pid
+                for step in incident.steps
+                if step.step in (StepName.TERMINATE, StepName.KILL)
+                for pid in step.targets
+            }
+            assert hung.pid in ended, incident.steps
+            assert incident.outcome in RECOVERED | {IncidentOutcome.CRASHED}, incident.steps
+            await gone(server, 15)
+
+    asyncio.run(scenario())
