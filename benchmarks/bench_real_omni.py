@@ -68,8 +68,8 @@ from real_omni.server import (
     watched,
 )
 from real_vllm.client import chat, chat_body, health_status
-from real_vllm.server import MAKE_TINY_MODEL, VLLM_PYTHON, VLLM_STAMP, VllmServer
 from real_vllm.server import READY_TIMEOUT as VLLM_READY_TIMEOUT
+from real_vllm.server import VLLM_PYTHON, VLLM_STAMP, VllmServer, make_tiny_model
 from results import record
 from watchdog_process import start_watchdog
 
@@ -166,25 +166,12 @@ def interrupt_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def make_models(workdir: Path, need_vllm: bool) -> tuple[Path, Path | None]:
     """The tiny random models: the harness architecture for vLLM-Omni, plain for vLLM."""
-    omni_model = workdir / "omni-tiny-model"
-    subprocess.run(
-        [str(OMNI_PYTHON), str(MAKE_TINY_MODEL), str(omni_model), *ARCHITECTURE_ARGS],
-        check=True,
-        capture_output=True,
-        env={**os.environ, **omni_environment()},
-        timeout=180,
+    omni_model = make_tiny_model(
+        OMNI_PYTHON, workdir / "omni-tiny-model", omni_environment(), *ARCHITECTURE_ARGS
     )
     if not need_vllm:
         return omni_model, None
-    vllm_model = workdir / "tiny-model"
-    subprocess.run(
-        [str(VLLM_PYTHON), str(MAKE_TINY_MODEL), str(vllm_model)],
-        check=True,
-        capture_output=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=180,
-    )
-    return omni_model, vllm_model
+    return omni_model, make_tiny_model(VLLM_PYTHON, workdir / "tiny-model", {})
 
 
 @contextlib.contextmanager
@@ -344,6 +331,10 @@ def measure_fault(fault: Fault, model: Path, workdir: Path, tally: Tally) -> Fau
             return FaultRun(outcome="error")
 
 
+def in_seconds(value: float | None, otherwise: str = "-") -> str:
+    return otherwise if value is None else f"{value:.2f} s"
+
+
 def seconds(values: list[float]) -> str:
     if not values:
         return "-"
@@ -406,11 +397,12 @@ def run_faults(
         for index in range(runs):
             run = measure_fault(fault, model, workdir / f"{fault.word}-{index + 1}", tally)
             measured.append(run)
-            late = " (only once the ladder acted)" if run.dead_only_after_ladder else ""
+            dead = "only once the ladder acted" if run.dead_only_after_ladder else "-"
             print(
-                f"{fault.label} run {index + 1}: first verdict {run.to_verdict_s}s"
+                f"{fault.label} run {index + 1}: first verdict {in_seconds(run.to_verdict_s)}"
                 f" ({run.state_seen.value if run.state_seen else '-'}),"
-                f" dead {run.to_dead_s}s{late}, tree gone {run.to_gone_s}s, {run.outcome}",
+                f" dead {in_seconds(run.to_dead_s, dead)},"
+                f" tree gone {in_seconds(run.to_gone_s)}, {run.outcome}",
                 flush=True,
             )
         rows += fault_rows(fault, measured)
@@ -548,9 +540,10 @@ async def alternate(
             order = [(instrumented, figures.with_plugin), (bare, figures.without)]
             for server, measured in order if index % 2 == 0 else reversed(order):
                 measured.append(await load(session, server.url, requests, in_flight))
+            # The load average tells a round that something else on the machine disturbed.
             print(
                 f"  round {index + 1}: with {figures.with_plugin[-1]:.2f}/s,"
-                f" without {figures.without[-1]:.2f}/s",
+                f" without {figures.without[-1]:.2f}/s, load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
         # Let the plugin's exporters flush their last batches.
@@ -773,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
         record(OVERHEAD_SECTION, rows, overhead_note(args))
         print("\n".join(" | ".join(row) for row in rows), flush=True)
     rows = start_rows(tally)
-    if rows:
+    # The count is over every start of a whole run: a partial one leaves it as it was.
+    if rows and args.only is None:
         record(
             STARTS_SECTION,
             rows,
