@@ -22,9 +22,9 @@ from results import record
 from omni_watchdog.demo import run_scenario, summary
 from omni_watchdog.log import configure_logging
 
-# (fault spec, generation, fault -> verdict target, fault -> released target), DESIGN.md 9:
-# a verdict within 5 s of a stage that stops (stalled, or dead for the report's hang), the
-# memory back within 15 s of the report's hang.
+# (fault spec, generation, fault -> verdict target, fault -> released target), from
+# docs/design.md, Performance targets: a verdict within 5 s of a stage that stops (stalled,
+# or dead for the report's hang), the memory back within 15 s of the report's hang.
 FAULTS: list[tuple[str, str, float | None, float | None]] = [
     ("1:engine-dead-hang", "0.11", 5.0, 15.0),
     ("1.0:stage-dead-503,1.1:stage-dead-503", "0.30", None, None),

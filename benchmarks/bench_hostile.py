@@ -36,7 +36,16 @@ from results import record
 from watchdog_process import start_plain_target, start_watchdog, target_resource, wait_attached
 
 from omni_watchdog.demo import free_port
-from omni_watchdog.process_start import BOOT_ID_KEY, START_TICKS_KEY, boot_id
+from omni_watchdog.process_start import boot_id
+from omni_watchdog.semconv import (
+    HEARTBEAT_SPAN,
+    HOST_BOOT_ID,
+    PROCESS_PID,
+    PROCESS_START_TICKS,
+    STAGE_ID,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+)
 
 SECTION = "Hostile input"
 TARGET_RSS_MB = 200.0
@@ -66,13 +75,13 @@ def heartbeats(resource: list[KeyValue], stages: list[tuple[int, int]], first: i
     spans = resource_spans.scope_spans.add().spans
     for index, (stage, replica) in enumerate(stages, start=first + 1):
         span = spans.add(
-            name="omni.stage.loop",
+            name=HEARTBEAT_SPAN,
             trace_id=index.to_bytes(16, "big"),
             span_id=index.to_bytes(8, "big"),
             start_time_unix_nano=_START_NANOS,
             end_time_unix_nano=_START_NANOS,
         )
-        span.attributes.extend([_int("omni.stage.id", stage), _int("omni.stage.replica", replica)])
+        span.attributes.extend([_int(STAGE_ID, stage), _int(STAGE_REPLICA, replica)])
     return request.SerializeToString()
 
 
@@ -81,13 +90,13 @@ def huge_attribute(resource: list[KeyValue], index: int) -> bytes:
     resource_spans = request.resource_spans.add()
     resource_spans.resource.attributes.extend(resource)
     span = resource_spans.scope_spans.add().spans.add(
-        name="omni.stage.request",
+        name=STAGE_REQUEST_SPAN,
         trace_id=(index + 1).to_bytes(16, "big"),
         span_id=(index + 1).to_bytes(8, "big"),
     )
     span.attributes.extend(
         [
-            _int("omni.stage.id", 0),
+            _int(STAGE_ID, 0),
             KeyValue(key="prompt", value=AnyValue(string_value="x" * HUGE_ATTRIBUTE_BYTES)),
         ]
     )
@@ -123,9 +132,9 @@ async def hostile(
     traces = f"http://127.0.0.1:{otlp_port}/v1/traces"
     ours = target_resource(target_pid)
     outsider = [
-        _int("process.pid", 1),
-        _int(START_TICKS_KEY, 1),
-        KeyValue(key=BOOT_ID_KEY, value=AnyValue(string_value=boot_id())),
+        _int(PROCESS_PID, 1),
+        _int(PROCESS_START_TICKS, 1),
+        KeyValue(key=HOST_BOOT_ID, value=AnyValue(string_value=boot_id())),
     ]
     rows = []
     limits = aiohttp.TCPConnector(limit=16)

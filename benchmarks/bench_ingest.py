@@ -35,7 +35,26 @@ from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import PROTOBUF, SpanReceiver
-from omni_watchdog.process_start import START_TICKS_KEY
+from omni_watchdog.semconv import (
+    GEN_AI_LATENCY_E2E,
+    GEN_AI_LATENCY_TIME_IN_QUEUE,
+    GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN,
+    GEN_AI_REQUEST_ID,
+    GEN_AI_USAGE_COMPLETION_TOKENS,
+    GEN_AI_USAGE_PROMPT_TOKENS,
+    HEARTBEAT_SPAN,
+    PROCESS_KIND,
+    PROCESS_PID,
+    PROCESS_START_TICKS,
+    REQUEST_ID,
+    SERVICE_NAME,
+    STAGE_ID,
+    STAGE_NAME,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+    VLLM_PROCESS_ID,
+    VLLM_REQUEST_SPAN,
+)
 from omni_watchdog.serving import Listener, ListenerLimits, RateLimitedLog
 from omni_watchdog.types import StageRef
 
@@ -111,24 +130,24 @@ def omni_stage_body(spans: int = BATCH_SPANS) -> bytes:
             "telemetry.sdk.language": "python",
             "telemetry.sdk.name": "opentelemetry",
             "telemetry.sdk.version": "1.45.2",
-            "service.name": "vllm-omni",
-            "omni.process.kind": "stage",
-            "process.pid": PLUGIN_PID,
-            START_TICKS_KEY: PLUGIN_START_TICKS,
-            "omni.stage.name": "talker",
-            "omni.stage.id": 1,
-            "omni.stage.replica": 0,
+            SERVICE_NAME: "vllm-omni",
+            PROCESS_KIND: "stage",
+            PROCESS_PID: PLUGIN_PID,
+            PROCESS_START_TICKS: PLUGIN_START_TICKS,
+            STAGE_NAME: "talker",
+            STAGE_ID: 1,
+            STAGE_REPLICA: 0,
         },
     )
     scope.scope.name = "omni_watchdog.instrument"
     for index in range(spans):
-        stage = {"omni.stage.id": 1, "omni.stage.replica": 0}
+        stage = {STAGE_ID: 1, STAGE_REPLICA: 0}
         if index % HEARTBEAT_EVERY == 0:
-            _fill_span(scope.spans.add(), index, "omni.stage.loop", Span.SPAN_KIND_INTERNAL, stage)
+            _fill_span(scope.spans.add(), index, HEARTBEAT_SPAN, Span.SPAN_KIND_INTERNAL, stage)
         else:
-            attributes = {**stage, "omni.request.id": f"chatcmpl-{index:016x}"}
+            attributes = {**stage, REQUEST_ID: f"chatcmpl-{index:016x}"}
             _fill_span(
-                scope.spans.add(), index, "omni.stage.request", Span.SPAN_KIND_INTERNAL, attributes
+                scope.spans.add(), index, STAGE_REQUEST_SPAN, Span.SPAN_KIND_INTERNAL, attributes
             )
     return request.SerializeToString()
 
@@ -144,28 +163,28 @@ def vllm_request_body(spans: int = BATCH_SPANS) -> bytes:
             "telemetry.sdk.version": "1.45.2",
             "service.instance.id": "36d9448d-dd6e-44f8-861e-108b76955fd9",
             "vllm.instrumenting_module_name": "vllm.llm_engine",
-            "vllm.process_id": "16446",
-            "service.name": "unknown_service:python3",
+            VLLM_PROCESS_ID: "16446",
+            SERVICE_NAME: "unknown_service:python3",
         },
     )
     scope.scope.name = "vllm.tracing.otel"
     for index in range(spans):
         attributes: dict[str, object] = {
-            "gen_ai.latency.time_to_first_token": 0.045977,
-            "gen_ai.latency.e2e": 0.068811,
-            "gen_ai.latency.time_in_queue": 4.19e-05,
-            "gen_ai.usage.prompt_tokens": 4,
-            "gen_ai.usage.completion_tokens": 8,
+            GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: 0.045977,
+            GEN_AI_LATENCY_E2E: 0.068811,
+            GEN_AI_LATENCY_TIME_IN_QUEUE: 4.19e-05,
+            GEN_AI_USAGE_PROMPT_TOKENS: 4,
+            GEN_AI_USAGE_COMPLETION_TOKENS: 8,
             "gen_ai.latency.time_in_model_prefill": 0.036032,
             "gen_ai.latency.time_in_model_decode": 0.023566,
             "gen_ai.latency.time_in_model_inference": 0.059598,
-            "gen_ai.request.id": f"cmpl-{index:016x}-0",
+            GEN_AI_REQUEST_ID: f"cmpl-{index:016x}-0",
             "gen_ai.request.top_p": 1.0,
             "gen_ai.request.max_tokens": 8,
             "gen_ai.request.temperature": 1.0,
             "gen_ai.request.n": 1,
         }
-        _fill_span(scope.spans.add(), index, "llm_request", Span.SPAN_KIND_SERVER, attributes)
+        _fill_span(scope.spans.add(), index, VLLM_REQUEST_SPAN, Span.SPAN_KIND_SERVER, attributes)
     return request.SerializeToString()
 
 
@@ -294,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             (
                 f"{label}: ratio to bare FromString ({figures.bare_spans_per_second:,.0f}/s)",
                 f"{figures.ratio:.2f}",
-                # Retired as a target (DESIGN section 9): bare upb decoding runs in C.
+                # Retired (docs/design.md, Performance targets): bare upb decoding runs in C.
                 "information",
                 "-",
             ),
@@ -310,9 +329,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"`{api_implementation.Type()}`; `python benchmarks/bench_ingest.py`. "
                 "With the upb backend bare decoding runs in C at well under a microsecond "
                 "per span, less than building the one `Observation` a span yields: the "
-                "ratio is shown for information, as DESIGN section 9 retired it. The "
-                "plugin's spans come from a process of the target's tree (checked by pid "
-                "and start); vLLM's name no start and count for a stage the tree maps."
+                "ratio is shown for information, as docs/design.md, Performance targets, "
+                "retired it. The plugin's spans come from a process of the target's tree "
+                "(checked by pid and start); vLLM's name no start and count for a stage the "
+                "tree maps."
             ),
         )
     return 0 if all_ok else 1

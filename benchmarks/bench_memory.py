@@ -30,7 +30,13 @@ from results import record
 from watchdog_process import start_plain_target, start_watchdog, target_resource, wait_attached
 
 from omni_watchdog.demo import free_port
-from omni_watchdog.instrument.telemetry import ADMITTED_SPAN
+from omni_watchdog.semconv import (
+    PROCESS_KIND,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    SERVICE_NAME,
+)
 
 SECTION = "Memory"
 REQUESTS = 100_000
@@ -52,8 +58,8 @@ def admitted_body(first: int, count: int, server_pid: int) -> bytes:
     resource_spans = request.resource_spans.add()
     resource_spans.resource.attributes.extend(
         [
-            _string("service.name", "vllm-omni"),
-            _string("omni.process.kind", "api"),
+            _string(SERVICE_NAME, "vllm-omni"),
+            _string(PROCESS_KIND, "api"),
             *target_resource(server_pid),
         ]
     )
@@ -63,12 +69,12 @@ def admitted_body(first: int, count: int, server_pid: int) -> bytes:
         span = scope_spans.spans.add()
         span.trace_id = (index + 1).to_bytes(16, "big")
         span.span_id = (index + 1).to_bytes(8, "big")
-        span.name = ADMITTED_SPAN
+        span.name = REQUEST_ADMITTED_SPAN
         span.start_time_unix_nano = _START_NANOS + index * 1_000
         span.end_time_unix_nano = span.start_time_unix_nano + 1_000
         # A request id as long as vLLM's: "chatcmpl-" and 32 hex digits.
-        span.attributes.append(_string("omni.request.id", f"chatcmpl-{index:032x}"))
-        path = KeyValue(key="omni.request.stage_path")
+        span.attributes.append(_string(REQUEST_ID, f"chatcmpl-{index:032x}"))
+        path = KeyValue(key=REQUEST_STAGE_PATH)
         for stage in STAGE_PATH:
             path.value.array_value.values.add().int_value = stage
         span.attributes.append(path)
@@ -161,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             rows,
             note=(
                 f"`omni-watchdog run` (observe mode, 3-stage config) fed {REQUESTS:,} "
-                f"`{ADMITTED_SPAN}` spans over OTLP/HTTP in batches of {BATCH:,} with no stage "
-                f"span, so all stay pending; RSS read with psutil from outside, largest of "
+                f"`{REQUEST_ADMITTED_SPAN}` spans over OTLP/HTTP in batches of {BATCH:,} with no "
+                f"stage span, so all stay pending; RSS read with psutil from outside, largest of "
                 f"{READINGS} readings; `python benchmarks/bench_memory.py`."
             ),
         )

@@ -231,7 +231,7 @@ async def first_requests(server: VllmServer) -> StartCheck:
 
 
 def stage_status(watchdog: Any, stage: StageRef) -> Any:
-    report = watchdog.last_report
+    report = watchdog.state.report
     return next((s for s in report.statuses if s.stage == stage), None) if report else None
 
 

@@ -1,7 +1,7 @@
 """Scrape: time to render the watchdog's /metrics at 64 stages x 8 GPUs x 512 pids.
 
-The state is the exposition tests' scripted one (real detector, fake tracker, receiver and
-policy), scaled up: 64 stages of one replica, 8 processes per stage (512 pids, each holding
+The state is the exposition tests' scripted one (the real detector and stats, the rest written
+out), scaled up: 64 stages of one replica, 8 processes per stage (512 pids, each holding
 memory on one of 8 GPUs), 2,000 requests in flight. Each run times
 `MetricsExposition.render`, the whole body a scrape returns; the figure is the median.
 """
@@ -14,12 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The exposition tests' helpers import as the test runner puts them on the path: `tests/`
+# itself.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from exporters.watchdog_state import scripted_state
 from results import record
-
-from tests.exporters.watchdog_state import fake_watchdog
 
 SECTION = "Scrape"
 STAGES = 64
@@ -36,17 +37,17 @@ def main() -> None:
     args = parser.parse_args()
     runs = max(7, args.runs)
 
-    watchdog = fake_watchdog(
+    scripted = scripted_state(
         stages=STAGES,
         first_replicas=1,
         gpus=GPUS,
         pids_per_replica=PIDS_PER_STAGE,
         requests=REQUESTS,
     )
-    exposition = watchdog.exposition
+    exposition = scripted.exposition()
     body = exposition.render()  # warm the label caches, as the first scrape does
     series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
-    gpu_pids = len(watchdog.stats.gpu_processes)
+    gpu_pids = len(scripted.state.gpu.processes) if scripted.state.gpu else 0
     timings = []
     for _ in range(runs):
         begun = time.perf_counter()

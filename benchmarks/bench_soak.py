@@ -79,7 +79,7 @@ class Soak:
 async def soak(workdir: Path, generation: str, duration: float, in_flight: int) -> Soak:
     seen = Soak()
     async with attached(workdir, [], generation, "enforce") as (watchdog, server):
-        await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 60)
+        await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 60)
         # A few requests at full speed first, so the span deadlines know the stage's pace.
         until = time.monotonic() + 5
         await keep_loaded(server.url, in_flight, until, seen.latencies_before, seen.failures)
@@ -89,7 +89,7 @@ async def soak(workdir: Path, generation: str, duration: float, in_flight: int) 
             keep_loaded(server.url, in_flight, until, seen.latencies_during, seen.failures)
         )
         while not load.done():
-            report = watchdog.last_report
+            report = watchdog.state.report
             if report is not None:
                 seen.states.update(status.state for status in report.statuses)
             await asyncio.sleep(SAMPLE_INTERVAL)

@@ -15,6 +15,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from omni_watchdog.demo import example_config
 from omni_watchdog.process_start import sender_attributes
+from omni_watchdog.semconv import PROCESS_PID
 
 
 def start_plain_target(port: int) -> subprocess.Popen[bytes]:
@@ -29,7 +30,7 @@ def start_plain_target(port: int) -> subprocess.Popen[bytes]:
 def target_resource(pid: int) -> list[KeyValue]:
     """The resource the instrument plugin would export from process `pid`: the watchdog
     takes spans as evidence only from the target's own processes."""
-    resource = [KeyValue(key="process.pid", value=AnyValue(int_value=pid))]
+    resource = [KeyValue(key=PROCESS_PID, value=AnyValue(int_value=pid))]
     for key, value in sender_attributes(pid).items():
         if isinstance(value, int):
             resource.append(KeyValue(key=key, value=AnyValue(int_value=value)))

@@ -136,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _run_watchdog(config: WatchdogConfig) -> int:
-    from omni_watchdog.app import Watchdog
     from omni_watchdog.clock import SystemClock
+    from omni_watchdog.factory import build_watchdog
 
-    watchdog = Watchdog(config, SystemClock())
+    watchdog = await build_watchdog(config, clock=SystemClock())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

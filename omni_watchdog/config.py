@@ -205,7 +205,7 @@ def _setting(
 
 @dataclass(frozen=True)
 class DetectionConfig:
-    """Thresholds of the stall rules (DESIGN.md section 4)."""
+    """Thresholds of the stall rules (docs/design.md, Detection)."""
 
     heartbeat_timeout: float = _duration(
         3.0,
@@ -256,12 +256,6 @@ class DetectionConfig:
         "Deadline = max(floor, multiplier x rolling p99 of the stage's durations).",
         minimum=1.0,
         maximum=100.0,
-    )
-    gpu_idle_utilization: float = _setting(
-        0.05,
-        "Utilization at or under this counts as idle for gpu_held evidence.",
-        minimum=0.0,
-        maximum=1.0,
     )
     crash_window: float = _duration(
         30.0,
@@ -352,7 +346,7 @@ class SpansConfig:
 
 @dataclass(frozen=True)
 class LadderConfig:
-    """The remediation ladder (DESIGN.md section 5)."""
+    """The remediation ladder (docs/design.md, Remediation ladder)."""
 
     steps: list[str] = _setting(
         list(LADDER_STEPS),

@@ -261,8 +261,8 @@ async def attached(
     stage_config: Path | None = None,
 ) -> AsyncIterator[tuple[Any, SimProcess]]:
     """A watchdog attached to a simulated server this process started; both end on exit."""
-    from omni_watchdog.app import Watchdog
     from omni_watchdog.clock import SystemClock
+    from omni_watchdog.factory import build_watchdog
 
     state_dir = workdir / "sim-state"
     # The watchdog's NVML stand-in reads the simulated devices from the same directory.
@@ -270,7 +270,7 @@ async def attached(
     port = free_port()
     stage_config = stage_config or example_config(generation)
     config = demo_config(workdir, f"http://127.0.0.1:{port}", stage_config, mode, overrides)
-    watchdog = Watchdog(config, SystemClock())
+    watchdog = await build_watchdog(config, clock=SystemClock())
     await watchdog.start()
     env = {
         "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{watchdog.otlp_port}/v1/traces",
@@ -305,7 +305,7 @@ async def run_scenario(
             f"simulated vLLM-Omni {generation} server starting on {server.url}"
             f" (faults: {', '.join(faults)})"
         )
-        await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 60)
+        await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 60)
         root = watchdog.tracker.root
         say(
             f"watchdog attached to pid {root.pid if root else '?'}:"

@@ -11,15 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from omni_watchdog.semconv import (
+    PIPELINE_STAGE_FINAL_OUTPUT,
+    PIPELINE_STAGE_IDS,
+    PIPELINE_STAGE_INPUTS,
+    PIPELINE_STAGE_NAMES,
+    PIPELINE_STAGE_REPLICAS,
+)
 from omni_watchdog.types import Stage
 
-TOPOLOGY_SPAN = "omni.pipeline.topology"
-STAGE_IDS = "omni.pipeline.stage_ids"
-STAGE_NAMES = "omni.pipeline.stage_names"
-STAGE_REPLICAS = "omni.pipeline.stage_replicas"
-STAGE_INPUTS = "omni.pipeline.stage_inputs"
-STAGE_FINAL_OUTPUT = "omni.pipeline.stage_final_output"
-KEYS = frozenset({STAGE_IDS, STAGE_NAMES, STAGE_REPLICAS, STAGE_INPUTS, STAGE_FINAL_OUTPUT})
+KEYS = frozenset(
+    {
+        PIPELINE_STAGE_IDS,
+        PIPELINE_STAGE_NAMES,
+        PIPELINE_STAGE_REPLICAS,
+        PIPELINE_STAGE_INPUTS,
+        PIPELINE_STAGE_FINAL_OUTPUT,
+    }
+)
 # Stage names become metric labels; the watchdog refuses a report with a longer one.
 MAX_STAGE_NAME = 64
 
@@ -28,9 +37,11 @@ def encode_report(stages: Sequence[Stage]) -> dict[str, list[int] | list[str] | 
     """The span attributes that describe these stages (their ids, names, replica counts,
     input stage ids and whether they give the request's output)."""
     return {
-        STAGE_IDS: [stage.stage_id for stage in stages],
-        STAGE_NAMES: [stage.name[:MAX_STAGE_NAME] for stage in stages],
-        STAGE_REPLICAS: [stage.replicas for stage in stages],
-        STAGE_INPUTS: [",".join(str(source) for source in stage.upstream) for stage in stages],
-        STAGE_FINAL_OUTPUT: [stage.final_output for stage in stages],
+        PIPELINE_STAGE_IDS: [stage.stage_id for stage in stages],
+        PIPELINE_STAGE_NAMES: [stage.name[:MAX_STAGE_NAME] for stage in stages],
+        PIPELINE_STAGE_REPLICAS: [stage.replicas for stage in stages],
+        PIPELINE_STAGE_INPUTS: [
+            ",".join(str(source) for source in stage.upstream) for stage in stages
+        ],
+        PIPELINE_STAGE_FINAL_OUTPUT: [stage.final_output for stage in stages],
     }

@@ -17,16 +17,12 @@ from pathlib import Path
 
 import psutil
 
+from omni_watchdog.semconv import HOST_BOOT_ID, PROCESS_START_TICKS
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PROC = Path("/proc")
 # Fields of /proc/<pid>/stat counted after the command name: state is 0, starttime 19.
 _STARTTIME_FIELD = 19
-
-
-# Resource attributes with which the instrument plugin names the process that sends a
-# span, so that the watchdog can tell the target's processes from anyone else's.
-START_TICKS_KEY = "omni.process.start_ticks"
-BOOT_ID_KEY = "omni.host.boot_id"
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -75,6 +71,6 @@ def boot_id() -> str:
 def sender_attributes(pid: int) -> dict[str, int | str]:
     """The resource attributes that name `pid` for life on this host; empty if unreadable."""
     try:
-        return {START_TICKS_KEY: start_ticks(pid), BOOT_ID_KEY: boot_id()}
+        return {PROCESS_START_TICKS: start_ticks(pid), HOST_BOOT_ID: boot_id()}
     except (psutil.Error, OSError, ValueError, IndexError):
         return {}

@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
 from omni_watchdog.log import log_event
 
 logger = logging.getLogger("omni_watchdog.serving")
 
-CLOSE_REASONS = ("over_cap", "header_timeout")
+CLOSE_REASONS = ("over_cap", "header_timeout", "bad_request")
 # One log line per kind of listener error in this many seconds; the count is kept whole.
 ERROR_LOG_INTERVAL = 10.0
 
@@ -159,6 +161,7 @@ class Listener:
         self._runner = web.AppRunner(
             app,
             access_log=None,
+            logger=_RequestErrorLog(self),
             auto_decompress=False,
             keepalive_timeout=limits.header_timeout,
             handle_signals=False,
@@ -223,6 +226,14 @@ class Listener:
     def count_closed(self, reason: str) -> None:
         self.closed[reason] += 1
 
+    def request_failed(self, error: BaseException | None) -> None:
+        """aiohttp could not serve a request: a malformed head is the client's, counted
+        as a refusal; anything else is a bug of ours, counted and logged, rate-limited."""
+        if isinstance(error, HttpProcessingError):
+            self.count_closed("bad_request")
+            return
+        self._errors.error("request_failed", exc_info=error, listener=self.name)
+
     @web.middleware
     async def _track_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         connection = self._by_transport.get(request.transport) if request.transport else None
@@ -258,3 +269,33 @@ def install_loop_error_handler(loop: asyncio.AbstractEventLoop, errors: RateLimi
         )
 
     loop.set_exception_handler(handle)
+
+
+class _RequestErrorLog(logging.Logger):
+    """What aiohttp logs about one request, handed to its listener.
+
+    aiohttp writes a traceback for every request it cannot serve, a malformed head
+    included; unchecked, any client could fill the watchdog's log."""
+
+    def __init__(self, listener: Listener) -> None:
+        super().__init__(f"omni_watchdog.serving.{listener.name}")
+        self._listener = listener
+
+    def debug(self, msg: object, *args: object, **kwargs: Any) -> None:
+        # Bytes that are not HTTP at all are only a debug line to aiohttp; still a refusal.
+        error = kwargs.get("exc_info")
+        if isinstance(error, HttpProcessingError):
+            self._listener.request_failed(error)
+
+    def exception(self, msg: object, *args: object, **kwargs: Any) -> None:
+        self._listener.request_failed(_raised(kwargs.get("exc_info")))
+
+    def error(self, msg: object, *args: object, **kwargs: Any) -> None:
+        self._listener.request_failed(_raised(kwargs.get("exc_info")))
+
+
+def _raised(exc_info: object) -> BaseException | None:
+    """The exception a logging call names: given, or the one being handled."""
+    if isinstance(exc_info, BaseException):
+        return exc_info
+    return sys.exc_info()[1]

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from omni_watchdog import pipeline_report
+from omni_watchdog import semconv
 from omni_watchdog.pipeline_report import MAX_STAGE_NAME
 from omni_watchdog.types import Stage, StageRef, Topology, TopologyOrigin
 
@@ -147,16 +147,16 @@ def reported_topology(attributes: Mapping[str, object], source: str = "plugin") 
     values), checked like a config file: parallel lists of one length, bounded, no
     duplicate ids, no input from an unknown stage. TopologyError names what is wrong."""
     reader = _Reader(source)
-    ids = reader.sequence(attributes.get(pipeline_report.STAGE_IDS), pipeline_report.STAGE_IDS)
+    ids = reader.sequence(attributes.get(semconv.PIPELINE_STAGE_IDS), semconv.PIPELINE_STAGE_IDS)
     if not ids or len(ids) > MAX_STAGES:
-        raise reader.fail(pipeline_report.STAGE_IDS, f"expected 1 to {MAX_STAGES} stages")
+        raise reader.fail(semconv.PIPELINE_STAGE_IDS, f"expected 1 to {MAX_STAGES} stages")
     columns = {
         key: reader.sequence(attributes.get(key), key)
         for key in (
-            pipeline_report.STAGE_NAMES,
-            pipeline_report.STAGE_REPLICAS,
-            pipeline_report.STAGE_INPUTS,
-            pipeline_report.STAGE_FINAL_OUTPUT,
+            semconv.PIPELINE_STAGE_NAMES,
+            semconv.PIPELINE_STAGE_REPLICAS,
+            semconv.PIPELINE_STAGE_INPUTS,
+            semconv.PIPELINE_STAGE_FINAL_OUTPUT,
         )
     }
     for key, column in columns.items():
@@ -168,12 +168,12 @@ def reported_topology(attributes: Mapping[str, object], source: str = "plugin") 
         stage_id = reader.as_integer(raw_id, f"{where}.stage_id")
         if stage_id < 0:
             raise reader.fail(f"{where}.stage_id", f"expected a stage id, got {stage_id}")
-        name = columns[pipeline_report.STAGE_NAMES][index]
+        name = columns[semconv.PIPELINE_STAGE_NAMES][index]
         if not isinstance(name, str) or not 0 < len(name) <= MAX_STAGE_NAME:
             raise reader.fail(f"{where}.name", f"expected 1 to {MAX_STAGE_NAME} characters")
         if not name.isprintable():
             raise reader.fail(f"{where}.name", "expected printable characters")
-        final_output = columns[pipeline_report.STAGE_FINAL_OUTPUT][index]
+        final_output = columns[semconv.PIPELINE_STAGE_FINAL_OUTPUT][index]
         if not isinstance(final_output, bool):
             problem = f"expected true or false, got {_kind(final_output)}"
             raise reader.fail(f"{where}.final_output", problem)
@@ -183,12 +183,12 @@ def reported_topology(attributes: Mapping[str, object], source: str = "plugin") 
                 where=where,
                 name=name,
                 replicas=reader.as_integer(
-                    columns[pipeline_report.STAGE_REPLICAS][index], f"{where}.num_replicas"
+                    columns[semconv.PIPELINE_STAGE_REPLICAS][index], f"{where}.num_replicas"
                 ),
                 devices=(),
                 memory=None,
                 inputs=reader.input_list(
-                    columns[pipeline_report.STAGE_INPUTS][index], f"{where}.engine_input_source"
+                    columns[semconv.PIPELINE_STAGE_INPUTS][index], f"{where}.engine_input_source"
                 ),
                 final_output=final_output,
             )

@@ -8,9 +8,10 @@ and `Verdict`s, the policy only turns verdicts into ladder steps, and only
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 
 class StageState(str, enum.Enum):
@@ -56,6 +57,13 @@ class ProcessStatus(str, enum.Enum):
     DISK_SLEEP = "disk_sleep"
     ZOMBIE = "zombie"
     EXITED = "exited"
+
+
+class SpanOutcome(str, enum.Enum):
+    """How the request a stage span covers ended at that stage."""
+
+    OK = "ok"
+    ERROR = "error"
 
 
 class HealthOutcome(str, enum.Enum):
@@ -139,12 +147,26 @@ class Topology:
         return tuple(path)
 
 
+# A start time (psutil's create_time(), `process_start.start_time`) is a float made of the
+# boot time plus /proc's start ticks, which count 1/100 s: one start read twice differs by
+# float rounding at most, while two processes that held one pid started a tick apart at
+# least. Half a tick tells the two apart.
+START_TIME_TOLERANCE = 0.005
+
+
 @dataclass(frozen=True, order=True)
 class ProcessIdentity:
     """A process as the kernel names it for life: pid alone is reused, pid + start is not."""
 
     pid: int
     create_time: float
+
+    def matches(self, other: ProcessIdentity) -> bool:
+        """`other` is this same process: the same pid, started in the same tick."""
+        return (
+            self.pid == other.pid
+            and abs(self.create_time - other.create_time) < START_TIME_TOLERANCE
+        )
 
 
 @dataclass(frozen=True)
@@ -195,12 +217,12 @@ class Observation:
     - REQUEST_ADMITTED: `request_id`, `path` (expected stage ids, in order).
     - REQUEST_ABANDONED: `request_id` (no stage will send a span for it any more).
     - STAGE_SPAN: `stage`, `request_id`, `value` = duration in seconds,
-      `outcome` = "ok" or "error", `detail` = the error text.
+      `outcome` = a `SpanOutcome`, `detail` = the error text.
     - PROGRESS: `stage`, `value` = a cumulative progress counter (tokens, iterations).
     - LOAD: `stage`, `value` = requests running plus waiting on the stage.
-    - HEALTH, CANARY: `outcome` = a `HealthOutcome` value, `value` = latency in seconds,
+    - HEALTH, CANARY: `outcome` = a `HealthOutcome`, `value` = latency in seconds,
       `detail` = status code or error text.
-    - PROCESS: `process`; `outcome` = its `ProcessStatus` value (also EXITED once gone).
+    - PROCESS: `process`; `outcome` = its `ProcessStatus` (also EXITED once gone).
     - GPU_PROCESS: `pid`, `gpu`, `value` = bytes of device memory the pid holds,
       `stage` when the pid is mapped to one.
     - GPU_DEVICE: `gpu`, `value` = used bytes, `utilization` = 0..1.
@@ -212,7 +234,7 @@ class Observation:
     time: float
     stage: StageRef | None = None
     value: float = 0.0
-    outcome: str = ""
+    outcome: HealthOutcome | SpanOutcome | ProcessStatus | None = None
     detail: str = ""
     request_id: str = ""
     path: tuple[int, ...] = ()
@@ -242,6 +264,10 @@ class StageStatus:
     state: StageState
     since: float
     evidence: tuple[Evidence, ...] = ()
+    # Monotonic times of its last loop heartbeat and of its progress counter's last
+    # change; None while none was seen.
+    last_heartbeat: float | None = None
+    last_progress: float | None = None
 
 
 @dataclass(frozen=True)
@@ -328,6 +354,213 @@ class Incident:
     closed: float | None = None
     bundle_dir: str | None = None
     timeline: Mapping[str, float] = field(default_factory=dict)
+    # The server went away by itself: before the watchdog saw it go (the incident opened
+    # on its exit), or before the ladder's shutdown step reached it.
+    crashed: bool = False
+
+
+@dataclass(frozen=True)
+class TargetExit:
+    """The server's root process went away by itself, and whether that was a crash."""
+
+    time: float
+    crashed: bool
+    reasons: tuple[str, ...]
+    root: ProcessIdentity | None = None
+
+
+@dataclass(frozen=True)
+class StageRequests:
+    """Admitted requests owed a span by one stage, and how many of them are overdue."""
+
+    in_flight: int
+    overdue: int
+
+
+@dataclass(frozen=True)
+class DetectorReport:
+    """One evaluation: every stage's status, the verdicts that are new, and a target exit."""
+
+    time: float
+    warmed_up: bool
+    statuses: tuple[StageStatus, ...]
+    verdicts: tuple[Verdict, ...]
+    target_exit: TargetExit | None = None
+    requests: Mapping[int, StageRequests] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    """One device as NVML reported it in one reading."""
+
+    index: int
+    used_bytes: float
+    total_bytes: float
+    utilization: float | None  # 0..1; None where the device does not report it
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """Device memory one pid held on one device, and the stage replica it serves if known."""
+
+    gpu: int
+    pid: int
+    used_bytes: float
+    stage: StageRef | None = None
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """Every device and the memory each pid held on it, read at one moment (monotonic)."""
+
+    time: float
+    devices: tuple[GpuDevice, ...]
+    processes: tuple[GpuProcess, ...] = ()
+
+    @property
+    def used_by_device(self) -> dict[int, float]:
+        return {device.index: device.used_bytes for device in self.devices}
+
+    @property
+    def used_by_pid(self) -> dict[int, float]:
+        totals: dict[int, float] = {}
+        for held in self.processes:
+            totals[held.pid] = totals.get(held.pid, 0.0) + held.used_bytes
+        return totals
+
+
+@dataclass(frozen=True)
+class ProbeHealth:
+    """How one probe is doing: whether its last run succeeded, and its failures."""
+
+    name: str
+    up: bool = True
+    errors_total: int = 0
+    last_error: str = ""
+    last_duration: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    """The OTLP receiver's counters; `spans_rejected` counts spans for `malformed_id` and
+    request bodies for the other reasons, whose spans were never decoded."""
+
+    spans_accepted: int
+    spans_rejected: Mapping[str, int]
+    requests: Mapping[int, int]
+    forwarded: int = 0
+    forward_dropped: int = 0
+    queue_depth: int = 0
+
+
+@dataclass(frozen=True)
+class LockStatus:
+    """The target lock: held, or why not (`conflict`, empty if none), and its file."""
+
+    held: bool
+    conflict: str
+    path: str | None
+
+
+@dataclass(frozen=True)
+class HistogramCounts:
+    """One histogram series at one moment: the count in each bucket (not cumulative; the
+    last one is above every bound), and the sum of the values."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    total: float
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What needs history to be told: counted as it happened, since the watchdog started."""
+
+    stage_durations: Mapping[int, HistogramCounts]
+    verdicts: Mapping[tuple[int, StageState, EvidenceKind], int]
+    incidents: Mapping[IncidentOutcome, int]
+    ladder_steps: Mapping[tuple[StepName, StepOutcome], int]
+    step_durations: Mapping[StepName, HistogramCounts]
+    verdict_to_release: HistogramCounts
+
+
+@dataclass(frozen=True)
+class TargetView:
+    """The target server as a whole: where it is, whether it is up, what /health said."""
+
+    url: str
+    root: ProcessInfo | None
+    up: bool
+    # Whether `up` means the root process is alive (the process probe runs), or only that
+    # /health answers (no process table in view).
+    by_process: bool
+    generation: int
+    health: Observation | None
+
+
+@dataclass(frozen=True)
+class RemediationView:
+    """What the policy may still do, and what it did."""
+
+    mode: Mode
+    # A ladder is running now.
+    busy: bool
+    budget_remaining: int
+    budget_exhausted_total: int
+    lock: LockStatus
+    incidents: tuple[Incident, ...]
+    # Closed by the evaluation that made this state: exported once, as they close.
+    closed_now: tuple[Incident, ...] = ()
+
+    @property
+    def open_incident(self) -> Incident | None:
+        return next((i for i in reversed(self.incidents) if i.closed is None), None)
+
+
+@dataclass(frozen=True)
+class SelfHealth:
+    """The watchdog's own condition: whether it still judges, and what went wrong in it."""
+
+    last_evaluation: float | None  # monotonic; None before the first
+    internal_errors: Mapping[str, int]
+    state_write_errors: int
+    last_state_write_error: str
+    # Per listener, connections it closed, by reason.
+    connections_closed: Mapping[str, Mapping[str, int]]
+
+
+@dataclass(frozen=True)
+class WatchdogState:
+    """Everything the exporters show, made by one evaluation and never changed after.
+
+    The evaluation loop pushes each new state to every `Exporter`; exporters render the
+    latest one they were given and hold no reference to the watchdog itself.
+    """
+
+    made_at: float  # monotonic
+    wall_at: float  # the wall clock at `made_at`
+    target: TargetView
+    topology: Topology
+    report: DetectorReport | None
+    processes: tuple[ProcessInfo, ...]
+    gpu: GpuReading | None
+    probes: tuple[ProbeHealth, ...]
+    receiver: ReceiverStats
+    remediation: RemediationView
+    counters: Counters
+    self_health: SelfHealth
+
+    def wall(self, monotonic_time: float) -> float:
+        """A monotonic time of this state as wall-clock time."""
+        return self.wall_at - (self.made_at - monotonic_time)
+
+
+class Exporter(Protocol):
+    """Shows the watchdog's state somewhere (Prometheus, the JSON API, traces)."""
+
+    def export(self, state: WatchdogState) -> None:
+        """Take the newest state; called by the evaluation loop, so it must not block."""
+        ...
 
 
 class Clock(Protocol):
@@ -366,6 +599,155 @@ class SpanSenders(Protocol):
     def maps(self, stage: StageRef) -> bool:
         """A live recorded process serves the stage replica (or no process table is in view)."""
         ...
+
+
+class SocketAddress(Protocol):
+    """One end of a socket, as psutil names it."""
+
+    @property
+    def port(self) -> int: ...
+
+
+class ProcessSocket(Protocol):
+    """One socket of a process; `laddr` is empty for a socket bound to no address."""
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def laddr(self) -> SocketAddress | tuple[()]: ...
+
+
+class HeldSocket(ProcessSocket, Protocol):
+    """One socket of the system-wide table, with the pid that holds it (None if hidden)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+
+class CpuTimes(Protocol):
+    """CPU seconds a process has spent, in user and in kernel mode."""
+
+    @property
+    def user(self) -> float: ...
+
+    @property
+    def system(self) -> float: ...
+
+
+class ProcessHandle(Protocol):
+    """One process as `psutil.Process` presents it: exactly the calls the watchdog makes.
+
+    A call raises the table's `NoSuchProcess` once the process is gone, and its
+    `ZombieProcess` or `AccessDenied` where the process cannot be read.
+    """
+
+    @property
+    def pid(self) -> int: ...
+
+    def oneshot(self) -> AbstractContextManager[None]: ...
+
+    def status(self) -> str: ...
+
+    def ppid(self) -> int: ...
+
+    def name(self) -> str: ...
+
+    def cmdline(self) -> list[str]: ...
+
+    def cpu_times(self) -> CpuTimes: ...
+
+    def children(self, recursive: bool) -> Sequence[ProcessHandle]: ...
+
+    def parents(self) -> Sequence[ProcessHandle]: ...
+
+    def net_connections(self, kind: str) -> Sequence[ProcessSocket]: ...
+
+
+class ProcessTable(Protocol):
+    """The process table as the psutil module presents it: exactly what the watchdog uses,
+    so that a test's fake table stands in for psutil itself."""
+
+    @property
+    def Error(self) -> type[Exception]: ...
+
+    @property
+    def NoSuchProcess(self) -> type[Exception]: ...
+
+    @property
+    def ZombieProcess(self) -> type[Exception]: ...
+
+    @property
+    def AccessDenied(self) -> type[Exception]: ...
+
+    @property
+    def STATUS_ZOMBIE(self) -> str: ...
+
+    @property
+    def CONN_LISTEN(self) -> str: ...
+
+    def Process(self, pid: int) -> ProcessHandle: ...
+
+    def process_iter(self, attrs: list[str]) -> Iterable[ProcessHandle]: ...
+
+    def net_connections(self, kind: str) -> Sequence[HeldSocket]: ...
+
+
+class NvmlMemory(Protocol):
+    """`nvmlDeviceGetMemoryInfo`: bytes of one device."""
+
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def used(self) -> int: ...
+
+
+class NvmlUtilization(Protocol):
+    """`nvmlDeviceGetUtilizationRates`: how busy one device is, in percent."""
+
+    @property
+    def gpu(self) -> int: ...
+
+
+class NvmlProcess(Protocol):
+    """One entry of `nvmlDeviceGetComputeRunningProcesses`; some drivers report no
+    per-process figure (None)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def usedGpuMemory(self) -> int | None: ...
+
+
+NvmlDevice = TypeVar("NvmlDevice")
+
+
+class Nvml(Protocol[NvmlDevice]):
+    """NVML as the pynvml module presents it: exactly the calls the GPU probe makes.
+
+    A device is named by a handle of the binding's own type (pynvml's is a C pointer, the
+    simulator's a dataclass) that only that binding takes back; every call raises
+    `NVMLError` when the driver cannot answer.
+    """
+
+    @property
+    def NVMLError(self) -> type[Exception]: ...
+
+    def nvmlInit(self) -> None: ...
+
+    def nvmlDeviceGetCount(self) -> int: ...
+
+    def nvmlDeviceGetHandleByIndex(self, index: int, /) -> NvmlDevice: ...
+
+    def nvmlDeviceGetMemoryInfo(self, handle: NvmlDevice, /) -> NvmlMemory: ...
+
+    def nvmlDeviceGetUtilizationRates(self, handle: NvmlDevice, /) -> NvmlUtilization: ...
+
+    def nvmlDeviceGetComputeRunningProcesses(
+        self, handle: NvmlDevice, /
+    ) -> Sequence[NvmlProcess]: ...
 
 
 class ProbeError(RuntimeError):

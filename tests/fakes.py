@@ -1,68 +1,164 @@
-"""A fake process table and signal functions, so tests signal nothing real."""
+"""Fakes of the world the watchdog touches, so tests signal, scan and read nothing real.
+
+`FakePsutil` stands in for the process table (`types.ProcessTable`), `FakeNvml` for NVML
+(`types.Nvml`), `FakeSenders` for whom spans may speak for (`types.SpanSenders`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from dataclasses import dataclass, field
-from typing import Any
 
 from omni_watchdog.types import ProcessInfo, ProcessRole, ProcessStatus, StageRef
 
+# --- the process table ------------------------------------------------------------------
 
-class NoSuchProcess(Exception):
-    pass
+# The port a fake server listens on unless a test names another.
+SERVER_PORT = 8000
+
+
+@dataclass(frozen=True)
+class FakeAddress:
+    ip: str
+    port: int
+
+
+@dataclass(frozen=True)
+class FakeSocket:
+    pid: int | None
+    status: str
+    laddr: FakeAddress
+
+
+@dataclass(frozen=True)
+class FakeCpuTimes:
+    user: float
+    system: float
 
 
 @dataclass
 class FakeProcess:
+    """One process of a `FakePsutil` table, with psutil's calls; the test edits its fields."""
+
+    table: FakePsutil = field(repr=False, compare=False)
     pid: int
-    create_time: float
+    parent: int
     pgid: int
+    argv: list[str]
+    state: str
+    started: float
+    # Signals it survives (SIGKILL is never one).
     ignores: set[int] = field(default_factory=set)
-    status: str = "sleeping"
+
+    def oneshot(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def status(self) -> str:
+        return self.state
+
+    def ppid(self) -> int:
+        return self.parent
+
+    def name(self) -> str:
+        return "python3"
+
+    def cmdline(self) -> list[str]:
+        if self.state == FakePsutil.STATUS_ZOMBIE:
+            raise FakePsutil.ZombieProcess(self.pid)
+        return self.argv
+
+    def cpu_times(self) -> FakeCpuTimes:
+        return FakeCpuTimes(user=1.5, system=0.5)
+
+    def children(self, recursive: bool) -> list[FakeProcess]:
+        direct = [p for p in self.table.table.values() if p.parent == self.pid]
+        if not recursive:
+            return direct
+        return direct + [grandchild for child in direct for grandchild in child.children(True)]
+
+    def parents(self) -> list[FakeProcess]:
+        parent = self.table.table.get(self.parent)
+        return [parent, *parent.parents()] if parent else []
+
+    def net_connections(self, kind: str) -> list[FakeSocket]:
+        return [self.table.listener(self.pid)] if self.pid in self.table.listening else []
 
 
 class FakePsutil:
-    """The psutil calls the actuators use, over a table the test controls."""
+    """The psutil calls the watchdog makes, over a table the test edits, and the signal and
+    process-group calls that go with it (`kill`, `killpg`, `getpgid`, `start_time`)."""
 
-    NoSuchProcess = NoSuchProcess
-    Error = Exception
+    class Error(Exception):
+        pass
+
+    class NoSuchProcess(Error):
+        pass
+
+    class ZombieProcess(NoSuchProcess):
+        pass
+
+    class AccessDenied(Error):
+        pass
+
     STATUS_ZOMBIE = "zombie"
+    CONN_LISTEN = "LISTEN"
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = SERVER_PORT) -> None:
         self.table: dict[int, FakeProcess] = {}
+        # Pids holding a listening socket on `port`, in the socket table's order.
+        self.listening: list[int] = []
+        self.port = port
         self.signals: list[tuple[str, int, int]] = []
+        self._last_start = 1.0
 
-    def add(self, pid: int, pgid: int, create_time: float = 100.0, ignores: set[int] | None = None):
-        self.table[pid] = FakeProcess(pid, create_time, pgid, ignores or set())
+    def add(
+        self,
+        pid: int,
+        ppid: int = 1,
+        cmdline: list[str] | str = "",
+        *,
+        pgid: int | None = None,
+        status: str = "sleeping",
+        create_time: float | None = None,
+        ignores: set[int] | None = None,
+    ) -> FakeProcess:
+        """Start a process (replacing one with its pid); by default it leads its own process
+        group and starts a second after the last one added."""
+        if create_time is None:
+            create_time = self._last_start + 1.0
+        self._last_start = create_time
+        argv = cmdline.split() if isinstance(cmdline, str) else cmdline
+        self.table[pid] = FakeProcess(
+            self,
+            pid,
+            ppid,
+            pid if pgid is None else pgid,
+            argv,
+            status,
+            create_time,
+            ignores or set(),
+        )
         return self.table[pid]
 
-    def Process(self, pid: int) -> Any:
+    def Process(self, pid: int) -> FakeProcess:
         if pid not in self.table:
-            raise NoSuchProcess(pid)
-        entry = self.table[pid]
+            raise self.NoSuchProcess(pid)
+        return self.table[pid]
 
-        class Handle:
-            def __init__(self) -> None:
-                self.pid = entry.pid
-                self.info = {"pid": entry.pid, "create_time": entry.create_time}
+    def process_iter(self, attrs: list[str]) -> list[FakeProcess]:
+        return list(self.table.values())
 
-            def create_time(self) -> float:
-                return entry.create_time
+    def net_connections(self, kind: str) -> list[FakeSocket]:
+        # Like psutil's socket table: one holder per socket, here the first one listed.
+        return [self.listener(self.listening[0])] if self.listening else []
 
-            def status(self) -> str:
-                return entry.status
-
-        return Handle()
+    def listener(self, pid: int) -> FakeSocket:
+        return FakeSocket(pid, self.CONN_LISTEN, FakeAddress("0.0.0.0", self.port))
 
     def start_time(self, pid: int) -> float:
         """What `process_start.start_time` answers in production."""
-        if pid not in self.table:
-            raise NoSuchProcess(pid)
-        return self.table[pid].create_time
-
-    def process_iter(self, attrs: list[str] | None = None) -> list[Any]:
-        return [self.Process(pid) for pid in list(self.table)]
+        return self.Process(pid).started
 
     def getpgid(self, pid: int) -> int:
         if pid not in self.table:
@@ -90,7 +186,7 @@ class FakePsutil:
 
 def info(
     pid: int, pgid: int, role: ProcessRole, create_time: float = 100.0, stage: int | None = None
-):
+) -> ProcessInfo:
     return ProcessInfo(
         pid,
         create_time,
@@ -103,6 +199,77 @@ def info(
         role,
         None if stage is None else StageRef(stage),
     )
+
+
+# --- NVML ---------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeGpuProcess:
+    pid: int
+    usedGpuMemory: int | None
+
+
+@dataclass(frozen=True)
+class FakeMemory:
+    used: int
+    total: int
+
+
+@dataclass(frozen=True)
+class FakeUtilization:
+    gpu: int
+
+
+@dataclass
+class FakeDevice:
+    """One device as the test sets it; `broken` makes its memory unreadable."""
+
+    used: int
+    total: int
+    utilization: int | None
+    processes: list[FakeGpuProcess] = field(default_factory=list)
+    broken: bool = False
+
+
+class FakeNvml:
+    """The NVML calls the GPU probe makes, over devices the test edits."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, devices: list[FakeDevice], init_failures: int = 0) -> None:
+        self.devices = devices
+        self.init_failures = init_failures
+        self.init_calls = 0
+
+    def nvmlInit(self) -> None:
+        self.init_calls += 1
+        if self.init_failures:
+            self.init_failures -= 1
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeDevice:
+        return self.devices[index]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeDevice) -> FakeMemory:
+        if handle.broken:
+            raise self.NVMLError("GPU is lost")
+        return FakeMemory(used=handle.used, total=handle.total)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: FakeDevice) -> FakeUtilization:
+        if handle.utilization is None:
+            raise self.NVMLError("Not Supported")
+        return FakeUtilization(gpu=handle.utilization)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeDevice) -> list[FakeGpuProcess]:
+        return list(handle.processes)
+
+
+# --- span senders -------------------------------------------------------------------------
 
 
 class FakeSenders:

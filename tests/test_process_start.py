@@ -52,7 +52,7 @@ def test_a_stepped_wall_clock_does_not_move_a_start(monkeypatch: pytest.MonkeyPa
     before = process_start.start_time(os.getpid())
     booted = psutil.boot_time()
     # The kernel's view after the wall clock was stepped forward by a minute.
-    monkeypatch.setattr(psutil._psplatform, "boot_time", lambda: booted + 60.0)
+    monkeypatch.setattr("psutil._psplatform.boot_time", lambda: booted + 60.0)
     after_boot = process_start.seconds_after_boot(os.getpid())
     assert psutil.Process().create_time() == pytest.approx(booted + 60.0 + after_boot)
     assert process_start.start_time(os.getpid()) == before

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from omni_watchdog.redact import redact_argv, redact_environ, redact_json, redact_text
+from omni_watchdog.semconv import GEN_AI_USAGE_PROMPT_TOKENS
 
 
 @pytest.mark.parametrize(
@@ -114,7 +115,7 @@ def test_secret_variables_of_an_environment_are_replaced() -> None:
         ({"title": "vllm --api-key sk-1"}, {"title": "vllm --api-key ***"}),
         ({"x.api_key": "sk-1", "model": "m"}, {"x.api_key": "***", "model": "m"}),
         # A token count is no secret, though its key names tokens.
-        ({"gen_ai.usage.prompt_tokens": 12}, {"gen_ai.usage.prompt_tokens": 12}),
+        ({GEN_AI_USAGE_PROMPT_TOKENS: 12}, {GEN_AI_USAGE_PROMPT_TOKENS: 12}),
         ({"secrets": {"a": "b", "n": 1}}, {"secrets": {"a": "***", "n": 1}}),
         ({"argv": ["vllm", "--api-key", "sk-1"]}, {"argv": ["vllm", "--api-key", "***"]}),
         ([{"detail": "Authorization: Bearer abc"}, 3], [{"detail": "Authorization: ***"}, 3]),

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from listening import listening
 
 from omni_watchdog.clock import FakeClock
@@ -19,7 +21,7 @@ from omni_watchdog.serving import Listener, RateLimitedLog
 DEADLINE = 5.0
 
 
-def app_with(handler: web.RequestHandler | None = None) -> web.Application:
+def app_with(handler: Handler | None = None) -> web.Application:
     async def hello(_: web.Request) -> web.Response:
         return web.Response(text="hello")
 
@@ -119,7 +121,7 @@ def test_a_slow_request_head_is_cut_off_and_counted() -> None:
     slow, idle, counts = asyncio.run(scenario())
     assert slow and idle
     # An idle connection going is housekeeping; a half-sent head is a refusal.
-    assert counts == {"over_cap": 0, "header_timeout": 1}
+    assert counts == {"over_cap": 0, "header_timeout": 1, "bad_request": 0}
 
 
 def test_a_kept_alive_client_gets_several_answers() -> None:
@@ -167,3 +169,28 @@ def test_the_error_log_is_rate_limited_but_every_error_counted(
     logged = [record.getMessage() for record in caplog.records]
     assert logged.count("accept_failed") == 3
     assert logged.count("handler_failed") == 3
+
+
+def test_a_malformed_request_head_is_refused_and_counted_not_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    heads = (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nno colon\r\n\r\n")
+
+    async def scenario() -> tuple[list[bytes], int, dict[str, int]]:
+        async with listener_of(app_with()) as (listener, errors):
+            assert listener.port is not None
+            answers = []
+            for head in heads * 5:
+                reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+                writer.write(head)
+                answers.append((await asyncio.wait_for(reader.read(), 5)).split(b"\r\n")[0])
+                writer.close()
+            return answers, len(errors), dict(listener.closed)
+
+    with caplog.at_level("DEBUG"):
+        answers, errors, counts = asyncio.run(scenario())
+    assert all(re.match(rb"HTTP/1\.[01] 400 ", answer) for answer in answers), answers
+    assert counts["bad_request"] == len(heads) * 5
+    # A client's bad bytes are not the watchdog's errors, nor a traceback in its log.
+    assert errors == 0
+    assert not [r for r in caplog.records if r.exc_info]

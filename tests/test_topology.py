@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_watchdog import pipeline_report
+from omni_watchdog import pipeline_report, semconv
 from omni_watchdog.topology import (
     MAX_CONFIG_BYTES,
     MAX_REPLICAS,
@@ -175,11 +175,11 @@ def test_a_missing_file_is_a_topology_error(tmp_path: Path) -> None:
 # ---- topologies learned from a running server -------------------------------------------
 
 PLUGIN_REPORT = {
-    pipeline_report.STAGE_IDS: [0, 1, 2],
-    pipeline_report.STAGE_NAMES: ["thinker", "talker", "code2wav"],
-    pipeline_report.STAGE_REPLICAS: [1, 2, 1],
-    pipeline_report.STAGE_INPUTS: ["", "0", "1"],
-    pipeline_report.STAGE_FINAL_OUTPUT: [True, False, True],
+    semconv.PIPELINE_STAGE_IDS: [0, 1, 2],
+    semconv.PIPELINE_STAGE_NAMES: ["thinker", "talker", "code2wav"],
+    semconv.PIPELINE_STAGE_REPLICAS: [1, 2, 1],
+    semconv.PIPELINE_STAGE_INPUTS: ["", "0", "1"],
+    semconv.PIPELINE_STAGE_FINAL_OUTPUT: [True, False, True],
 }
 
 
@@ -267,11 +267,11 @@ def test_the_plugins_encoding_reads_back_as_the_same_stages() -> None:
 
 def _report(**changes: object) -> dict[str, object]:
     keys = {
-        "ids": pipeline_report.STAGE_IDS,
-        "names": pipeline_report.STAGE_NAMES,
-        "replicas": pipeline_report.STAGE_REPLICAS,
-        "inputs": pipeline_report.STAGE_INPUTS,
-        "finals": pipeline_report.STAGE_FINAL_OUTPUT,
+        "ids": semconv.PIPELINE_STAGE_IDS,
+        "names": semconv.PIPELINE_STAGE_NAMES,
+        "replicas": semconv.PIPELINE_STAGE_REPLICAS,
+        "inputs": semconv.PIPELINE_STAGE_INPUTS,
+        "finals": semconv.PIPELINE_STAGE_FINAL_OUTPUT,
     }
     report: dict[str, object] = dict(PLUGIN_REPORT)
     for short, value in changes.items():

@@ -1,5 +1,5 @@
 """The detector: turns observations into per-stage states and verdicts, without I/O."""
 
-from omni_watchdog.detector.core import Detector, DetectorReport, TargetExit
+from omni_watchdog.detector.core import Detector
 
-__all__ = ["Detector", "DetectorReport", "TargetExit"]
+__all__ = ["Detector"]

@@ -1,6 +1,6 @@
 """The detector: observations and a clock in, per-stage states and verdicts out, no I/O.
 
-The rules (DESIGN.md section 4):
+The rules (docs/design.md, Detection):
 - nothing is judged before the first healthy /health plus `startup_grace`, or before
   `startup_timeout` after attach for a server that never answers healthy, unless a
   recorded stage process exits first;
@@ -22,18 +22,21 @@ from dataclasses import dataclass, field
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector.expectations import PendingRequests, RollingQuantile
 from omni_watchdog.types import (
+    DetectorReport,
     Evidence,
     EvidenceKind,
     HealthOutcome,
     Observation,
     ObservationKind,
-    ProcessIdentity,
     ProcessInfo,
     ProcessRole,
     ProcessStatus,
+    SpanOutcome,
     StageRef,
+    StageRequests,
     StageState,
     StageStatus,
+    TargetExit,
     Topology,
     Verdict,
 )
@@ -77,32 +80,16 @@ class _StageMemory:
     last_error: str = ""
 
 
-@dataclass(frozen=True)
-class TargetExit:
-    """The server's root process went away by itself, and whether that was a crash."""
-
-    time: float
-    crashed: bool
-    reasons: tuple[str, ...]
-    root: ProcessIdentity | None = None
-
-
-@dataclass(frozen=True)
-class DetectorReport:
-    """One evaluation: every stage's status, the verdicts that are new, and a target exit."""
-
-    time: float
-    warmed_up: bool
-    statuses: tuple[StageStatus, ...]
-    verdicts: tuple[Verdict, ...]
-    target_exit: TargetExit | None = None
-
-
 class Detector:
     """Per-stage state machine over observations; pure, so tests drive it with a fake clock."""
 
     def __init__(self, config: DetectionConfig, topology: Topology, start: float) -> None:
         self._config = config
+        self.reset(topology, start)
+
+    def reset(self, topology: Topology, start: float) -> None:
+        """Forget everything and judge `topology` afresh from `start`: a new server was
+        attached. The detector stays the same object, so whatever reads it keeps reading."""
         self._topology = topology
         self._names = {ref: self._stage_name(ref) for ref in topology.refs()}
         self._names_of_topology = frozenset(self._names)
@@ -166,7 +153,7 @@ class Detector:
         self._pending.abandon(obs.request_id)
 
     def _on_stage_span(self, obs: Observation) -> None:
-        failed = obs.outcome == "error"
+        failed = obs.outcome is SpanOutcome.ERROR
         if obs.stage is not None:
             self._pending.stage_done(obs.request_id, obs.stage.stage_id, obs.time, failed)
         memory = self._memory(obs.stage)
@@ -204,7 +191,7 @@ class Detector:
         memory.load_at = obs.time
 
     def _on_health(self, obs: Observation) -> None:
-        if obs.outcome == HealthOutcome.OK.value:
+        if obs.outcome is HealthOutcome.OK:
             if self._first_healthy is None:
                 self._first_healthy = obs.time
             self._health_failures = 0
@@ -214,26 +201,26 @@ class Detector:
             self._health_failed_since = obs.time
         if self._health_failures == self._config.health_failures:
             self._health_confirmed_at = obs.time
-        self._health_detail = f"{obs.outcome} {obs.detail}".strip()
+        self._health_detail = f"{_word(obs)} {obs.detail}".strip()
         # A refused connection is what any stopping server shows; it says nothing of a crash.
-        if obs.outcome != HealthOutcome.REFUSED.value:
+        if obs.outcome is not HealthOutcome.REFUSED:
             self._sign(obs.time, f"/health {self._health_detail}")
 
     def _on_canary(self, obs: Observation) -> None:
-        if obs.outcome == HealthOutcome.OK.value:
+        if obs.outcome is HealthOutcome.OK:
             self._canary_failed_at = None
             self._canary_detail = ""
             return
         if self._canary_failed_at is None:
             self._canary_failed_at = obs.time
-        self._canary_detail = f"canary {obs.outcome} {obs.detail}".strip()
+        self._canary_detail = f"canary {_word(obs)} {obs.detail}".strip()
         self._sign(obs.time, self._canary_detail)
 
     def _on_process(self, obs: Observation) -> None:
         info = obs.process
         if info is None:
             return
-        exited = obs.outcome == ProcessStatus.EXITED.value
+        exited = obs.outcome is ProcessStatus.EXITED
         if info.role is ProcessRole.API and not info.orphaned:
             self._root = info
             # An unreaped server is as gone as a reaped one: it holds nothing and serves nothing.
@@ -253,7 +240,7 @@ class Detector:
         known = memory.processes.get(info.pid)
         if known is None and len(memory.processes) >= MAX_PROCESSES_PER_STAGE:
             return
-        if known is None or known.info.create_time != info.create_time:
+        if known is None or not known.info.identity.matches(info.identity):
             known = _ProcessMemory(info, obs.time, obs.time)
             memory.processes[info.pid] = known
         if exited or info.status is ProcessStatus.ZOMBIE:
@@ -357,9 +344,21 @@ class Detector:
                 if state in (StageState.STALLED, StageState.DEAD) and self._root_alive():
                     verdicts.append(Verdict(ref, state, now, tuple(evidence)))
             statuses.append(
-                StageStatus(ref, self._names.get(ref, ""), state, memory.since, tuple(evidence))
+                StageStatus(
+                    ref,
+                    self._names.get(ref, ""),
+                    state,
+                    memory.since,
+                    tuple(evidence),
+                    memory.last_heartbeat,
+                    memory.progress_changed_at,
+                )
             )
-        return DetectorReport(now, warm, tuple(statuses), tuple(verdicts), target_exit)
+        requests = {
+            stage_id: StageRequests(self.in_flight(stage_id), self.overdue_count(stage_id, now))
+            for stage_id in sorted({ref.stage_id for ref in self._stages})
+        }
+        return DetectorReport(now, warm, tuple(statuses), tuple(verdicts), target_exit, requests)
 
     def _decide(
         self, memory: _StageMemory, evidence: list[Evidence], now: float, held_up: bool
@@ -591,3 +590,8 @@ class Detector:
     def _stage_name(self, ref: StageRef) -> str:
         stage = self._topology.stage(ref.stage_id)
         return stage.name if stage else f"stage{ref.stage_id}"
+
+
+def _word(obs: Observation) -> str:
+    """An observation's outcome as the word people read in evidence."""
+    return obs.outcome.value if obs.outcome is not None else ""

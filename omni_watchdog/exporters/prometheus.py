@@ -1,10 +1,9 @@
-"""The watchdog's own `/metrics`, computed from its state at scrape time.
+"""The watchdog's own `/metrics`, rendered from the latest `WatchdogState`.
 
-Counters and histograms that need history (stage span durations, verdicts, incidents,
-ladder steps, verdict -> release) live in `WatchdogStats`, which the app feeds as events
-happen; everything else is read from the watchdog when Prometheus scrapes. Every series
-exists from the start, zeroed, for every known stage replica, state, step, outcome, probe,
-rejection reason and evidence kind.
+The evaluation loop pushes each new state here (`export`); a scrape renders the latest
+one. Ages (heartbeat, evaluation) are measured at the scrape. Every series exists from
+the start, zeroed, for every known stage replica, state, step, outcome, probe, rejection
+reason and evidence kind.
 
 The text is written here rather than through a prometheus_client registry: building and
 formatting its sample objects costs about 50 ms for the ~3,500 series of 64 stages and
@@ -13,49 +12,39 @@ formatting its sample objects costs about 50 ms for the ~3,500 series of 64 stag
 
 from __future__ import annotations
 
-import bisect
 import math
 import platform
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from omni_watchdog import __version__
-from omni_watchdog.exporters.api import target_health
+from omni_watchdog.exporters.views import target_health
 from omni_watchdog.serving import CLOSE_REASONS
+from omni_watchdog.stats import (
+    LADDER_STEP_BUCKETS,
+    RELEASE_BUCKETS,
+    STAGE_DURATION_BUCKETS,
+    empty_histogram,
+)
 from omni_watchdog.types import (
+    Clock,
     EvidenceKind,
     HealthOutcome,
-    Incident,
+    HistogramCounts,
     IncidentOutcome,
-    Observation,
-    ObservationKind,
     ProcessRole,
     ProcessStatus,
     StageRef,
     StageState,
     StepName,
     StepOutcome,
-    StepResult,
-    Verdict,
+    Topology,
+    WatchdogState,
 )
-
-if TYPE_CHECKING:
-    from omni_watchdog.app import Watchdog
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LISTENERS = ("api", "otlp")
 PREFIX = "omni_watchdog_"
-
-# Stage spans range from milliseconds (a token) to the 300 s engine timeouts seen upstream.
-STAGE_DURATION_BUCKETS = (
-    *(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
-    *(30.0, 60.0, 120.0, 300.0),
-)
-# Ladder steps are bounded by their timeouts (seconds to tens of seconds).
-LADDER_STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# The target for fault -> memory released is 15 s; the buckets resolve around it.
-RELEASE_BUCKETS = (1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 VERDICT_STATES = (StageState.STALLED, StageState.DEAD)
 CLOSED_OUTCOMES = tuple(o for o in IncidentOutcome if o is not IncidentOutcome.OPEN)
@@ -176,8 +165,8 @@ FAMILIES = (
     (
         "connections_closed_total",
         "counter",
-        "Connections a listener closed: over its connection cap, or without a whole request"
-        " head in time.",
+        "Connections a listener closed: over its connection cap, without a whole request"
+        " head in time, or after a malformed one.",
     ),
 )
 FAMILY_NAMES = tuple(PREFIX + name for name, _, _ in FAMILIES)
@@ -205,22 +194,6 @@ def number(value: float) -> str:
     return repr(value)
 
 
-class Histogram:
-    """Bucket counts, a sum and a count for one series; written cumulatively."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        # bisect_left puts a value equal to a bound in that bound's bucket: le means <=.
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-
 @dataclass(frozen=True)
 class _HistogramLines:
     """The text before the value of each line of one histogram series."""
@@ -240,7 +213,7 @@ class _HistogramLines:
             f"{PREFIX}{name}_count{braces} ",
         )
 
-    def write(self, out: list[str], histogram: Histogram) -> None:
+    def write(self, out: list[str], histogram: HistogramCounts) -> None:
         running = 0
         for prefix, count in zip(self.buckets, histogram.counts, strict=True):
             running += count
@@ -266,119 +239,21 @@ class _StageLines:
     durations: _HistogramLines
 
 
-@dataclass(frozen=True)
-class GpuProcessReading:
-    """Device memory one pid held on one GPU at the GPU probe's last run."""
-
-    gpu: int
-    pid: int
-    used_bytes: float
-    stage: StageRef | None
-
-
-@dataclass
-class WatchdogStats:
-    """What the exposition needs history for, fed by the app as things happen."""
-
-    stage_durations: dict[int, Histogram] = field(default_factory=dict)
-    verdicts: dict[tuple[int, StageState, EvidenceKind], int] = field(default_factory=dict)
-    incidents: dict[IncidentOutcome, int] = field(default_factory=dict)
-    ladder_steps: dict[tuple[StepName, StepOutcome], int] = field(default_factory=dict)
-    step_durations: dict[StepName, Histogram] = field(default_factory=dict)
-    verdict_to_release: Histogram = field(default_factory=lambda: Histogram(RELEASE_BUCKETS))
-    gpu_devices: dict[int, tuple[float, float | None]] = field(default_factory=dict)
-    gpu_processes: list[GpuProcessReading] = field(default_factory=list)
-    _counted: set[str] = field(default_factory=set)
-    _steps_counted: dict[str, int] = field(default_factory=dict)
-
-    def observe(self, observations: Iterable[Observation]) -> None:
-        """Stage span durations, and the GPU probe's latest reading (one probe run)."""
-        new_reading = False
-        for obs in observations:
-            kind = obs.kind
-            if kind is ObservationKind.STAGE_SPAN and obs.stage is not None:
-                stage_id = obs.stage.stage_id
-                histogram = self.stage_durations.get(stage_id)
-                if histogram is None:
-                    histogram = self.stage_durations[stage_id] = Histogram(STAGE_DURATION_BUCKETS)
-                histogram.observe(obs.value)
-            elif kind is ObservationKind.GPU_DEVICE and obs.gpu is not None:
-                if not new_reading:
-                    # A run reports every device: the previous reading is replaced, not merged.
-                    new_reading = True
-                    self.gpu_devices = {}
-                    self.gpu_processes = []
-                self.gpu_devices[obs.gpu] = (obs.value, obs.utilization)
-            elif (
-                kind is ObservationKind.GPU_PROCESS and obs.gpu is not None and obs.pid is not None
-            ):
-                self.gpu_processes.append(GpuProcessReading(obs.gpu, obs.pid, obs.value, obs.stage))
-
-    def count_verdicts(self, verdicts: Iterable[Verdict]) -> None:
-        """One increment per verdict and kind of evidence it carries."""
-        for verdict in verdicts:
-            for kind in {e.kind for e in verdict.evidence}:
-                key = (verdict.stage.stage_id, verdict.state, kind)
-                self.verdicts[key] = self.verdicts.get(key, 0) + 1
-
-    def ignore_closed(self, incidents: Iterable[Incident]) -> None:
-        """Incidents a previous watchdog closed (from the journal) are not counted again."""
-        for incident in incidents:
-            if incident.closed is not None:
-                self._counted.add(incident.incident_id)
-                self._steps_counted[incident.incident_id] = len(incident.steps)
-
-    def count_incidents(self, incidents: Iterable[Incident]) -> list[Incident]:
-        """Count each ladder step as it ends and each incident as it closes.
-
-        Steps are counted while their incident is still open, so that a ladder that is
-        stuck or slow shows in `ladder_steps_total` before it finishes. Returns the
-        incidents that closed since the last call.
-        """
-        closed = []
-        for incident in incidents:
-            counted = self._steps_counted.get(incident.incident_id, 0)
-            for step in incident.steps[counted:]:
-                self._count_step(step)
-            self._steps_counted[incident.incident_id] = len(incident.steps)
-            if incident.closed is None or incident.incident_id in self._counted:
-                continue
-            closed.append(incident)
-            self._counted.add(incident.incident_id)
-            self.incidents[incident.outcome] = self.incidents.get(incident.outcome, 0) + 1
-            timeline = incident.timeline
-            begun = timeline.get("verdict", timeline.get("opened"))
-            released = timeline.get("released")
-            if begun is not None and released is not None:
-                self.verdict_to_release.observe(max(0.0, released - begun))
-        return closed
-
-    def _count_step(self, step: StepResult) -> None:
-        key = (step.step, step.outcome)
-        self.ladder_steps[key] = self.ladder_steps.get(key, 0) + 1
-        # A planned step did nothing; its zero duration would only flatten the buckets.
-        if step.outcome is not StepOutcome.PLANNED:
-            histogram = self.step_durations.get(step.step)
-            if histogram is None:
-                histogram = self.step_durations[step.step] = Histogram(LADDER_STEP_BUCKETS)
-            histogram.observe(step.duration)
-
-
 class MetricsExposition:
-    """Renders the watchdog's state and stats in the Prometheus text format."""
+    """Renders the latest `WatchdogState` in the Prometheus text format."""
 
     content_type = CONTENT_TYPE
 
-    def __init__(self, watchdog: Watchdog, stats: WatchdogStats) -> None:
-        self._watchdog = watchdog
-        self._stats = stats
+    def __init__(self, clock: Clock, state: WatchdogState) -> None:
+        self._clock = clock
+        self._state = state
         # Label text is made once per stage: formatting it on every scrape was most of the cost.
         self._replica_lines: dict[StageRef, _ReplicaLines] = {}
         self._stage_lines: dict[int, _StageLines] = {}
         # The topology those labels were made for: a stage learned later may be renamed.
-        self._labelled_topology = watchdog.topology
-        self._empty_durations = Histogram(STAGE_DURATION_BUCKETS)
-        self._empty_steps = Histogram(LADDER_STEP_BUCKETS)
+        self._labelled_topology: Topology = state.topology
+        self._empty_durations = empty_histogram(STAGE_DURATION_BUCKETS)
+        self._empty_steps = empty_histogram(LADDER_STEP_BUCKETS)
         self._step_lines = {
             step: _HistogramLines.of(
                 "ladder_step_duration_seconds", f'step="{step.value}"', LADDER_STEP_BUCKETS
@@ -391,28 +266,33 @@ class MetricsExposition:
             f'python_version="{escape(platform.python_version())}"}} 1'
         )
 
+    def export(self, state: WatchdogState) -> None:
+        self._state = state
+
     def render(self) -> bytes:
-        """The whole exposition, as the body of a scrape."""
-        if self._watchdog.topology is not self._labelled_topology:
-            self._labelled_topology = self._watchdog.topology
+        """The whole exposition of the latest state, as the body of a scrape."""
+        state = self._state
+        if state.topology is not self._labelled_topology:
+            self._labelled_topology = state.topology
             self._stage_lines.clear()
             self._replica_lines.clear()
+        now = self._clock.monotonic()
         out: list[str] = []
-        self._target(out)
-        self._probes(out)
-        self._stages(out)
-        self._spans(out)
-        self._gpus(out)
-        self._processes(out)
-        self._remediation(out)
-        self._self_health(out)
+        self._target(out, state)
+        self._probes(out, state)
+        self._stages(out, state, now)
+        self._spans(out, state)
+        self._gpus(out, state)
+        self._processes(out, state)
+        self._remediation(out, state)
+        self._self_health(out, state, now)
         out.append("")
         return "\n".join(out).encode()
 
     # ---- labels -------------------------------------------------------------------
 
     def _stage_name(self, stage_id: int) -> str:
-        stage = self._watchdog.topology.stage(stage_id)
+        stage = self._labelled_topology.stage(stage_id)
         return stage.name if stage else f"stage{stage_id}"
 
     def _stage(self, stage_id: int) -> _StageLines:
@@ -443,73 +323,53 @@ class MetricsExposition:
             lines = self._replica_lines[ref] = _ReplicaLines(labels, states)
         return lines
 
-    def _refs(self) -> list[StageRef]:
-        """Every stage replica of the topology, and any the detector found beyond it."""
-        watchdog = self._watchdog
-        refs = set(watchdog.topology.refs())
-        if watchdog.last_report is not None:
-            refs.update(status.stage for status in watchdog.last_report.statuses)
-        return sorted(refs)
-
     # ---- families -----------------------------------------------------------------
 
-    def _target(self, out: list[str]) -> None:
-        watchdog = self._watchdog
-        report = watchdog.last_report
-        health = watchdog.last_health
+    def _target(self, out: list[str], state: WatchdogState) -> None:
+        target = state.target
+        report = state.report
         out += (_HEADERS["build_info"], self._build_info)
-        out += (_HEADERS["target_up"], f"{PREFIX}target_up {int(watchdog.target_up)}")
+        out += (_HEADERS["target_up"], f"{PREFIX}target_up {int(target.up)}")
         warm = int(report is not None and report.warmed_up)
         out += (_HEADERS["target_warmed_up"], f"{PREFIX}target_warmed_up {warm}")
         out.append(_HEADERS["target_health_status"])
-        current = health.outcome if health is not None else None
+        current = target.health.outcome if target.health is not None else None
         for outcome in HealthOutcome:
-            value = int(outcome.value == current)
+            value = int(outcome is current)
             out.append(f'{PREFIX}target_health_status{{outcome="{outcome.value}"}} {value}')
-        live = int(target_health(watchdog)[0] == 200)
+        live = int(target_health(state)[0] == 200)
         out += (_HEADERS["target_liveness"], f"{PREFIX}target_liveness {live}")
 
-    def _probes(self, out: list[str]) -> None:
-        watchdog = self._watchdog
-        health = watchdog.probe_health
-        names = sorted({*watchdog.config.probes.enabled, *health})
-        # A probe that is enabled but not running (the watchdog not started) reports down.
-        rows = [
-            (name, (int(h.up), h.errors_total, h.last_duration) if h else (0, 0, 0.0))
-            for name in names
-            for h in (health.get(name),)
-        ]
+    def _probes(self, out: list[str], state: WatchdogState) -> None:
+        rows = sorted(state.probes, key=lambda h: h.name)
         out.append(_HEADERS["probe_up"])
-        out += (f'{PREFIX}probe_up{{probe="{name}"}} {up}' for name, (up, _, _) in rows)
+        out += (f'{PREFIX}probe_up{{probe="{h.name}"}} {int(h.up)}' for h in rows)
         out.append(_HEADERS["probe_errors_total"])
-        out += (f'{PREFIX}probe_errors_total{{probe="{name}"}} {e}' for name, (_, e, _) in rows)
+        out += (f'{PREFIX}probe_errors_total{{probe="{h.name}"}} {h.errors_total}' for h in rows)
         out.append(_HEADERS["probe_duration_seconds"])
         out += (
-            f'{PREFIX}probe_duration_seconds{{probe="{name}"}} {number(d)}'
-            for name, (_, _, d) in rows
+            f'{PREFIX}probe_duration_seconds{{probe="{h.name}"}} {number(h.last_duration)}'
+            for h in rows
         )
 
-    def _stages(self, out: list[str]) -> None:
-        watchdog = self._watchdog
-        detector = watchdog.detector
-        clock = watchdog.clock
-        now = clock.monotonic()
-        wall_offset = clock.wall() - now
-        refs = self._refs()
-        report = watchdog.last_report
-        states = {s.stage: s.state for s in report.statuses} if report is not None else {}
+    def _stages(self, out: list[str], state: WatchdogState, now: float) -> None:
+        wall_offset = state.wall_at - state.made_at
+        report = state.report
+        statuses = {s.stage: s for s in report.statuses} if report is not None else {}
+        # Every stage replica of the topology, and any the detector found beyond it.
+        refs = sorted({*state.topology.refs(), *statuses})
 
         out.append(_HEADERS["stage_state"])
         for ref in refs:
+            status = statuses.get(ref)
             # Before the first evaluation every stage is starting, as the detector begins.
-            current = states.get(ref, StageState.STARTING)
-            out += (
-                f"{prefix}{int(state is current)}" for state, prefix in self._replica(ref).states
-            )
+            current = status.state if status is not None else StageState.STARTING
+            out += (f"{prefix}{int(each is current)}" for each, prefix in self._replica(ref).states)
 
         out.append(_HEADERS["stage_last_progress_timestamp_seconds"])
         for ref in refs:
-            progress = detector.last_progress_of(ref)
+            status = statuses.get(ref)
+            progress = status.last_progress if status is not None else None
             stamp = 0.0 if progress is None else progress + wall_offset
             out.append(
                 f"{PREFIX}stage_last_progress_timestamp_seconds{{{self._replica(ref).labels}}}"
@@ -518,35 +378,38 @@ class MetricsExposition:
 
         out.append(_HEADERS["stage_heartbeat_age_seconds"])
         for ref in refs:
-            beat = detector.last_heartbeat(ref)
+            status = statuses.get(ref)
+            beat = status.last_heartbeat if status is not None else None
             age = math.nan if beat is None else now - beat
             out.append(
                 f"{PREFIX}stage_heartbeat_age_seconds{{{self._replica(ref).labels}}} {number(age)}"
             )
 
         stage_ids = sorted({ref.stage_id for ref in refs})
+        requests = report.requests if report is not None else {}
         out.append(_HEADERS["stage_requests_in_flight"])
         out += (
-            f"{PREFIX}stage_requests_in_flight{{{self._stage(s).labels}}} {detector.in_flight(s)}"
+            f"{PREFIX}stage_requests_in_flight{{{self._stage(s).labels}}}"
+            f" {requests[s].in_flight if s in requests else 0}"
             for s in stage_ids
         )
         out.append(_HEADERS["stage_requests_overdue"])
         out += (
             f"{PREFIX}stage_requests_overdue{{{self._stage(s).labels}}}"
-            f" {detector.overdue_count(s, now)}"
+            f" {requests[s].overdue if s in requests else 0}"
             for s in stage_ids
         )
 
         out.append(_HEADERS["stage_duration_seconds"])
-        durations = self._stats.stage_durations
+        durations = state.counters.stage_durations
         for stage_id in stage_ids:
             histogram = durations.get(stage_id, self._empty_durations)
             self._stage(stage_id).durations.write(out, histogram)
 
         held: dict[StageRef, float] = dict.fromkeys(refs, 0.0)
-        for reading in self._stats.gpu_processes:
-            if reading.stage is not None:
-                held[reading.stage] = held.get(reading.stage, 0.0) + reading.used_bytes
+        for process in state.gpu.processes if state.gpu is not None else ():
+            if process.stage is not None:
+                held[process.stage] = held.get(process.stage, 0.0) + process.used_bytes
         out.append(_HEADERS["stage_gpu_memory_bytes"])
         out += (
             f"{PREFIX}stage_gpu_memory_bytes{{{self._replica(ref).labels}}} {number(held[ref])}"
@@ -554,14 +417,14 @@ class MetricsExposition:
         )
 
         out.append(_HEADERS["verdicts_total"])
-        verdicts = self._stats.verdicts
+        verdicts = state.counters.verdicts
         for stage_id in stage_ids:
             out += (
                 f"{prefix}{verdicts.get(key, 0)}" for key, prefix in self._stage(stage_id).verdicts
             )
 
-    def _spans(self, out: list[str]) -> None:
-        stats = self._watchdog.receiver.stats
+    def _spans(self, out: list[str], state: WatchdogState) -> None:
+        stats = state.receiver
         out += (
             _HEADERS["spans_received_total"],
             f"{PREFIX}spans_received_total {stats.spans_accepted}",
@@ -572,31 +435,33 @@ class MetricsExposition:
             for reason, count in sorted(stats.spans_rejected.items())
         )
 
-    def _gpus(self, out: list[str]) -> None:
-        stats = self._stats
-        devices = sorted(stats.gpu_devices.items())
+    def _gpus(self, out: list[str], state: WatchdogState) -> None:
+        reading = state.gpu
+        devices = sorted(reading.devices, key=lambda d: d.index) if reading is not None else []
         out.append(_HEADERS["gpu_memory_used_bytes"])
         out += (
-            f'{PREFIX}gpu_memory_used_bytes{{gpu="{gpu}"}} {number(used)}'
-            for gpu, (used, _) in devices
+            f'{PREFIX}gpu_memory_used_bytes{{gpu="{d.index}"}} {number(d.used_bytes)}'
+            for d in devices
         )
         out.append(_HEADERS["gpu_utilization_ratio"])
         out += (
-            f'{PREFIX}gpu_utilization_ratio{{gpu="{gpu}"}}'
-            f" {number(math.nan if utilization is None else utilization)}"
-            for gpu, (_, utilization) in devices
+            f'{PREFIX}gpu_utilization_ratio{{gpu="{d.index}"}}'
+            f" {number(math.nan if d.utilization is None else d.utilization)}"
+            for d in devices
         )
         out.append(_HEADERS["gpu_process_memory_bytes"])
         out += (
-            f'{PREFIX}gpu_process_memory_bytes{{gpu="{r.gpu}",pid="{r.pid}",'
-            f'stage="{"" if r.stage is None else r.stage.stage_id}"}} {number(r.used_bytes)}'
-            for r in stats.gpu_processes
+            f'{PREFIX}gpu_process_memory_bytes{{gpu="{p.gpu}",pid="{p.pid}",'
+            f'stage="{"" if p.stage is None else p.stage.stage_id}"}} {number(p.used_bytes)}'
+            for p in (reading.processes if reading is not None else ())
         )
 
-    def _processes(self, out: list[str]) -> None:
+    def _processes(self, out: list[str], state: WatchdogState) -> None:
         counts: dict[tuple[ProcessRole, ProcessStatus], int] = {}
         orphaned = 0
-        for info in self._watchdog.tracker.live():
+        for info in state.processes:
+            if info.status is ProcessStatus.EXITED:
+                continue
             key = (info.role, info.status)
             counts[key] = counts.get(key, 0) + 1
             orphaned += info.orphaned
@@ -609,56 +474,56 @@ class MetricsExposition:
                 )
         out += (_HEADERS["orphaned_processes"], f"{PREFIX}orphaned_processes {orphaned}")
 
-    def _remediation(self, out: list[str]) -> None:
-        stats = self._stats
-        policy = self._watchdog.policy
+    def _remediation(self, out: list[str], state: WatchdogState) -> None:
+        counters = state.counters
+        remediation = state.remediation
         out.append(_HEADERS["incidents_total"])
         out += (
-            f'{PREFIX}incidents_total{{outcome="{o.value}"}} {stats.incidents.get(o, 0)}'
+            f'{PREFIX}incidents_total{{outcome="{o.value}"}} {counters.incidents.get(o, 0)}'
             for o in CLOSED_OUTCOMES
         )
-        out += (_HEADERS["incident_open"], f"{PREFIX}incident_open {int(policy.busy)}")
+        out += (_HEADERS["incident_open"], f"{PREFIX}incident_open {int(remediation.busy)}")
         out.append(_HEADERS["ladder_steps_total"])
         out += (
             f'{PREFIX}ladder_steps_total{{step="{step.value}",outcome="{outcome.value}"}}'
-            f" {stats.ladder_steps.get((step, outcome), 0)}"
+            f" {counters.ladder_steps.get((step, outcome), 0)}"
             for step in StepName
             for outcome in StepOutcome
         )
         out.append(_HEADERS["ladder_step_duration_seconds"])
         for step, lines in self._step_lines.items():
-            lines.write(out, stats.step_durations.get(step, self._empty_steps))
+            lines.write(out, counters.step_durations.get(step, self._empty_steps))
         out.append(_HEADERS["verdict_to_release_seconds"])
-        self._release_lines.write(out, stats.verdict_to_release)
+        self._release_lines.write(out, counters.verdict_to_release)
         out += (
             _HEADERS["remediation_budget_remaining"],
-            f"{PREFIX}remediation_budget_remaining {policy.budget_remaining()}",
+            f"{PREFIX}remediation_budget_remaining {remediation.budget_remaining}",
             _HEADERS["remediation_budget_exhausted_total"],
-            f"{PREFIX}remediation_budget_exhausted_total {policy.budget_exhausted_total}",
+            f"{PREFIX}remediation_budget_exhausted_total {remediation.budget_exhausted_total}",
         )
 
-    def _self_health(self, out: list[str]) -> None:
-        watchdog = self._watchdog
+    def _self_health(self, out: list[str], state: WatchdogState, now: float) -> None:
+        health = state.self_health
         out.append(_HEADERS["internal_errors_total"])
         out += (
             f'{PREFIX}internal_errors_total{{loop="{loop}"}} {count}'
-            for loop, count in watchdog.internal_errors.items()
+            for loop, count in health.internal_errors.items()
         )
-        age = watchdog.evaluation_age()
+        last = health.last_evaluation
+        age = math.nan if last is None else now - last
         out += (
             _HEADERS["evaluation_age_seconds"],
-            f"{PREFIX}evaluation_age_seconds {number(math.nan if age is None else age)}",
+            f"{PREFIX}evaluation_age_seconds {number(age)}",
         )
         out += (
             _HEADERS["state_write_errors_total"],
-            f"{PREFIX}state_write_errors_total {watchdog.write_errors.total}",
+            f"{PREFIX}state_write_errors_total {health.state_write_errors}",
             _HEADERS["target_lock_conflict"],
-            f"{PREFIX}target_lock_conflict {int(bool(watchdog.policy.lock_status().conflict))}",
+            f"{PREFIX}target_lock_conflict {int(bool(state.remediation.lock.conflict))}",
         )
         out.append(_HEADERS["connections_closed_total"])
         for listener in LISTENERS:
-            running = watchdog.listeners.get(listener)
-            closed = running.closed if running is not None else {}
+            closed = health.connections_closed.get(listener, {})
             out += (
                 f'{PREFIX}connections_closed_total{{listener="{listener}",reason="{reason}"}}'
                 f" {closed.get(reason, 0)}"

@@ -18,15 +18,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Status, StatusCode
 
-from omni_watchdog import __version__
+from omni_watchdog import __version__, semconv
 from omni_watchdog.log import log_event
-from omni_watchdog.types import Incident, IncidentOutcome, StepOutcome, StepResult
+from omni_watchdog.types import Incident, IncidentOutcome, StepOutcome, StepResult, WatchdogState
 
 logger = logging.getLogger("omni_watchdog.exporters.traces")
 
 SERVICE_NAME = "omni-watchdog"
-INCIDENT_SPAN = "omni.incident"
-STEP_SPAN_PREFIX = "omni.ladder."
 # Incidents that end like this need a person: their spans are marked as errors.
 FAILED_INCIDENTS = (IncidentOutcome.LEAKED, IncidentOutcome.FAILED)
 FAILED_STEPS = (StepOutcome.FAILED, StepOutcome.TIMEOUT, StepOutcome.NOT_RECOVERED)
@@ -42,13 +40,18 @@ class IncidentTraces:
 
     def __init__(self, endpoint: str, timeout: float = EXPORT_TIMEOUT_SECONDS) -> None:
         self.endpoint = endpoint
-        resource = Resource.create({"service.name": SERVICE_NAME})
+        resource = Resource.create({semconv.SERVICE_NAME: SERVICE_NAME})
         self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout)
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("omni_watchdog.incidents", __version__)
 
-    def export(self, incident: Incident) -> None:
+    def export(self, state: WatchdogState) -> None:
+        """Export the incidents that closed in the evaluation that made `state`."""
+        for incident in state.remediation.closed_now:
+            self.export_incident(incident)
+
+    def export_incident(self, incident: Incident) -> None:
         """Queue the incident's spans for export; never raises into the watchdog."""
         try:
             self._record(incident)
@@ -75,17 +78,17 @@ class IncidentTraces:
         # The incident span must cover its steps even if the clock stepped back meanwhile.
         end = max([closed, *ends])
         root = self._tracer.start_span(
-            INCIDENT_SPAN,
+            semconv.INCIDENT_SPAN,
             context=trace.set_span_in_context(trace.INVALID_SPAN),
             start_time=_nanos(min([incident.opened, *(s.started for s in incident.steps)])),
             attributes={
-                "omni.incident.id": incident.incident_id,
-                "omni.incident.target": incident.target,
-                "omni.incident.cause": incident.cause,
-                "omni.incident.mode": incident.mode.value,
-                "omni.incident.outcome": incident.outcome.value,
-                "omni.incident.stages": sorted({str(v.stage) for v in incident.verdicts}),
-                "omni.incident.evidence": sorted(
+                semconv.INCIDENT_ID: incident.incident_id,
+                semconv.INCIDENT_TARGET: incident.target,
+                semconv.INCIDENT_CAUSE: incident.cause,
+                semconv.INCIDENT_MODE: incident.mode.value,
+                semconv.INCIDENT_OUTCOME: incident.outcome.value,
+                semconv.INCIDENT_STAGES: sorted({str(v.stage) for v in incident.verdicts}),
+                semconv.INCIDENT_EVIDENCE: sorted(
                     {e.kind.value for v in incident.verdicts for e in v.evidence}
                 ),
             },
@@ -99,14 +102,14 @@ class IncidentTraces:
 
     def _record_step(self, step: StepResult, parent: Context) -> None:
         span = self._tracer.start_span(
-            STEP_SPAN_PREFIX + step.step.value,
+            semconv.LADDER_STEP_SPAN_PREFIX + step.step.value,
             context=parent,
             start_time=_nanos(step.started),
             attributes={
-                "omni.ladder.step": step.step.value,
-                "omni.ladder.outcome": step.outcome.value,
-                "omni.ladder.detail": step.detail,
-                "omni.ladder.targets": list(step.targets),
+                semconv.LADDER_STEP: step.step.value,
+                semconv.LADDER_OUTCOME: step.outcome.value,
+                semconv.LADDER_DETAIL: step.detail,
+                semconv.LADDER_TARGETS: list(step.targets),
             },
         )
         if step.outcome in FAILED_STEPS:

@@ -28,6 +28,27 @@ from opentelemetry.util.types import AttributeValue
 
 from omni_watchdog import __version__, pipeline_report, process_start
 from omni_watchdog.instrument.export import WatchdogSpanExporter
+from omni_watchdog.semconv import (
+    EXCEPTION_ESCAPED,
+    EXCEPTION_EVENT,
+    EXCEPTION_MESSAGE,
+    EXCEPTION_STACKTRACE,
+    EXCEPTION_TYPE,
+    HEARTBEAT_SPAN,
+    PROCESS_KIND,
+    PROCESS_PID,
+    REQUEST_ABANDONED_SPAN,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_FINISHED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    SERVICE_NAME,
+    STAGE_ID,
+    STAGE_NAME,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+    TOPOLOGY_SPAN,
+)
 from omni_watchdog.types import Stage
 
 logger = logging.getLogger(__name__)
@@ -42,11 +63,6 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 TRACES_PATH = "/v1/traces"
 PROCESS_KINDS = frozenset({"api", "stage", "engine", "worker", "orchestrator"})
 
-ADMITTED_SPAN = "omni.request.admitted"
-ABANDONED_SPAN = "omni.request.abandoned"
-FINISHED_SPAN = "omni.request.finished"
-STAGE_REQUEST_SPAN = "omni.stage.request"
-LOOP_SPAN = "omni.stage.loop"
 # The watchdog may start (or restart) after the server: the pipeline is told again this
 # often, and a replica the server adds shows within this time.
 TOPOLOGY_INTERVAL_S = 10.0
@@ -175,12 +191,12 @@ def _exception_event(exc: BaseException, timestamp_ns: int) -> Event:
     """The semantic-convention `exception` event, as the SDK's `record_exception` writes it."""
     module, name = type(exc).__module__, type(exc).__qualname__
     return Event(
-        "exception",
+        EXCEPTION_EVENT,
         {
-            "exception.type": f"{module}.{name}" if module and module != "builtins" else name,
-            "exception.message": str(exc),
-            "exception.stacktrace": "".join(traceback_module.format_exception(exc)),
-            "exception.escaped": "False",
+            EXCEPTION_TYPE: f"{module}.{name}" if module and module != "builtins" else name,
+            EXCEPTION_MESSAGE: str(exc),
+            EXCEPTION_STACKTRACE: "".join(traceback_module.format_exception(exc)),
+            EXCEPTION_ESCAPED: "False",
         },
         timestamp=timestamp_ns,
     )
@@ -211,9 +227,9 @@ class StageTelemetry:
         self._ledger = _SpanLedger(max_queue_size)
         self._stage_attributes: dict[str, AttributeValue] = {}
         if stage_id is not None:
-            self._stage_attributes["omni.stage.id"] = stage_id
+            self._stage_attributes[STAGE_ID] = stage_id
         if replica is not None:
-            self._stage_attributes["omni.stage.replica"] = replica
+            self._stage_attributes[STAGE_REPLICA] = replica
         self._shutdown_lock = threading.Lock()
         self._processor: SpanProcessor | None = None
         self._ids = RandomIdGenerator()
@@ -221,15 +237,15 @@ class StageTelemetry:
             return
         sender = os.getpid() if pid is None else pid
         resource: dict[str, AttributeValue] = {
-            "service.name": service_name,
-            "omni.process.kind": process_kind,
-            "process.pid": sender,
+            SERVICE_NAME: service_name,
+            PROCESS_KIND: process_kind,
+            PROCESS_PID: sender,
             # The watchdog takes a span as evidence only from a process of the target's
             # tree: pid and start together name this process for life on this host.
             **process_start.sender_attributes(sender),
         }
         if stage_name is not None:
-            resource["omni.stage.name"] = stage_name
+            resource[STAGE_NAME] = stage_name
         resource.update(self._stage_attributes)
         batch = BatchSpanProcessor(
             _CountingExporter(exporter, self._ledger),
@@ -286,7 +302,7 @@ class StageTelemetry:
         """The stage's own attributes, plus the request id when there is one."""
         attributes = dict(self._stage_attributes)
         if request_id is not None:
-            attributes["omni.request.id"] = request_id
+            attributes[REQUEST_ID] = request_id
         return attributes
 
     def emit(
@@ -346,9 +362,9 @@ class StageTelemetry:
             return
         try:
             attributes = self.span_attributes(request_id)
-            attributes["omni.request.stage_path"] = [int(stage) for stage in stage_path]
+            attributes[REQUEST_STAGE_PATH] = [int(stage) for stage in stage_path]
             now = time.time_ns()
-            self.emit(ADMITTED_SPAN, attributes, now, now)
+            self.emit(REQUEST_ADMITTED_SPAN, attributes, now, now)
         except Exception:
             logger.debug("could not emit an admitted span", exc_info=True)
 
@@ -362,7 +378,7 @@ class StageTelemetry:
             return
         try:
             now = time.time_ns()
-            self.emit(ABANDONED_SPAN, self.span_attributes(request_id), now, now)
+            self.emit(REQUEST_ABANDONED_SPAN, self.span_attributes(request_id), now, now)
         except Exception:
             logger.debug("could not emit an abandoned span", exc_info=True)
 
@@ -377,7 +393,7 @@ class StageTelemetry:
             return
         try:
             now = time.time_ns()
-            self.emit(FINISHED_SPAN, self.span_attributes(request_id), now, now)
+            self.emit(REQUEST_FINISHED_SPAN, self.span_attributes(request_id), now, now)
         except Exception:
             logger.debug("could not emit a finished span", exc_info=True)
 
@@ -406,14 +422,14 @@ class StageTelemetry:
         try:
             attributes = self.span_attributes(request_id)
             if stage_id is not None:
-                attributes["omni.stage.id"] = stage_id
+                attributes[STAGE_ID] = stage_id
             if replica is not None:
-                attributes["omni.stage.replica"] = replica
+                attributes[STAGE_REPLICA] = replica
             failure = None
             if error is not None:
                 event = Event(
-                    "exception",
-                    {"exception.type": "StageError", "exception.message": error},
+                    EXCEPTION_EVENT,
+                    {EXCEPTION_TYPE: "StageError", EXCEPTION_MESSAGE: error},
                     timestamp=end_time_ns,
                 )
                 failure = (error, event)
@@ -428,7 +444,7 @@ class StageTelemetry:
         try:
             # A root span: a beat belongs to no request, whatever context the loop runs in.
             now = time.time_ns()
-            self.emit(LOOP_SPAN, self.span_attributes(), now, now, root=True)
+            self.emit(HEARTBEAT_SPAN, self.span_attributes(), now, now, root=True)
         except Exception:
             logger.debug("could not emit a heartbeat", exc_info=True)
 
@@ -439,7 +455,7 @@ class StageTelemetry:
         try:
             attributes: dict[str, AttributeValue] = dict(pipeline_report.encode_report(stages))
             now = time.time_ns()
-            self.emit(pipeline_report.TOPOLOGY_SPAN, attributes, now, now, root=True)
+            self.emit(TOPOLOGY_SPAN, attributes, now, now, root=True)
         except Exception:
             logger.debug("could not report the topology", exc_info=True)
 

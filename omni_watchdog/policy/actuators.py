@@ -12,13 +12,11 @@ import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
 
 import aiohttp
 
 from omni_watchdog import process_start
-from omni_watchdog.types import ProcessIdentity, StepOutcome
+from omni_watchdog.types import ProcessIdentity, ProcessTable, StepOutcome
 
 
 @dataclass(frozen=True)
@@ -44,14 +42,14 @@ class SignalGuard:
 
     def __init__(
         self,
-        psutil_module: ModuleType,
+        process_table: ProcessTable,
         is_recorded: Callable[[ProcessIdentity], bool],
         own_pid: int | None = None,
         own_pgid: int | None = None,
         getpgid: Callable[[int], int] = os.getpgid,
         start_time: Callable[[int], float] = process_start.start_time,
     ) -> None:
-        self._psutil = psutil_module
+        self._psutil = process_table
         self._start_time = start_time
         self._is_recorded = is_recorded
         self._own_pid = os.getpid() if own_pid is None else own_pid
@@ -67,12 +65,12 @@ class SignalGuard:
         if not self._is_recorded(identity):
             return "not a recorded process of the target"
         try:
-            create_time = self._start_time(identity.pid)
+            current = ProcessIdentity(identity.pid, self._start_time(identity.pid))
         except self._psutil.NoSuchProcess:
             return "already gone"
         except self._psutil.Error as error:
             return f"cannot inspect: {error}"
-        if abs(create_time - identity.create_time) > 0.01:
+        if not identity.matches(current):
             return "pid now belongs to another process (create time differs)"
         return ""
 
@@ -181,17 +179,17 @@ class Actuators:
 
 
 def is_alive(
-    psutil_module: ModuleType,
+    process_table: ProcessTable,
     identity: ProcessIdentity,
     start_time: Callable[[int], float] = process_start.start_time,
 ) -> bool:
     """The recorded process still exists: same pid, same start time, not a zombie."""
     try:
-        process: Any = psutil_module.Process(identity.pid)
-        if abs(start_time(identity.pid) - identity.create_time) > 0.01:
+        process = process_table.Process(identity.pid)
+        if not identity.matches(ProcessIdentity(identity.pid, start_time(identity.pid))):
             return False
-        return bool(process.status() != psutil_module.STATUS_ZOMBIE)
-    except psutil_module.NoSuchProcess:
+        return process.status() != process_table.STATUS_ZOMBIE
+    except process_table.NoSuchProcess:
         return False
-    except psutil_module.Error:
+    except process_table.Error:
         return True

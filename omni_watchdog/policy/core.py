@@ -15,9 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
-from omni_watchdog.detector import DetectorReport, TargetExit
 from omni_watchdog.log import log_event
 from omni_watchdog.policy.incidents import (
     BundleWriter,
@@ -29,12 +27,15 @@ from omni_watchdog.policy.incidents import (
 from omni_watchdog.policy.ladder import LadderRunner, TargetSnapshot
 from omni_watchdog.types import (
     Clock,
+    DetectorReport,
     Incident,
     IncidentOutcome,
+    LockStatus,
     Mode,
     ProcessIdentity,
     StepName,
     StepOutcome,
+    TargetExit,
     Verdict,
 )
 
@@ -43,15 +44,6 @@ logger = logging.getLogger("omni_watchdog.policy")
 
 def new_incident_id(wall: float) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(wall)) + "-" + secrets.token_hex(3)
-
-
-@dataclass(frozen=True)
-class LockStatus:
-    """The target lock, for /v1/status and the exporter: held, or why not (empty if none)."""
-
-    held: bool
-    conflict: str
-    path: str | None
 
 
 class Policy:
@@ -178,10 +170,14 @@ class Policy:
             cause += f", leaving {len(orphans)} orphaned process(es)"
         if exit_.reasons:
             cause += ": " + "; ".join(exit_.reasons[-4:])
-        return self._open(cause, (), target)
+        return self._open(cause, (), target, crashed=exit_.crashed)
 
     def _open(
-        self, cause: str, verdicts: tuple[Verdict, ...], target: TargetSnapshot
+        self,
+        cause: str,
+        verdicts: tuple[Verdict, ...],
+        target: TargetSnapshot,
+        crashed: bool = False,
     ) -> asyncio.Task[Incident]:
         wall = self._clock.wall()
         mode = self.mode
@@ -215,6 +211,7 @@ class Policy:
             verdicts=verdicts,
             bundle_dir=str(self._bundles.directory(incident_id)),
             timeline=timeline,
+            crashed=crashed,
         )
         log_event(logger, "incident_opened", id=incident_id, mode=mode.value, cause=incident.cause)
         self._task_for(incident, target)

@@ -98,6 +98,7 @@ def incident_from_json(data: Mapping[str, Any]) -> Incident:
         closed=data.get("closed"),
         bundle_dir=data.get("bundle_dir"),
         timeline=dict(data.get("timeline", {})),
+        crashed=bool(data.get("crashed", False)),
     )
 
 
@@ -462,6 +463,11 @@ class BundleWriter:
     def files(self, incident_id: str) -> Iterator[Path]:
         base = self._root / incident_id
         return (p for p in sorted(base.rglob("*")) if p.is_file()) if base.exists() else iter(())
+
+    def names(self, incident_id: str) -> list[str]:
+        """The bundle's files, as paths relative to the bundle."""
+        base = self._root / incident_id
+        return [str(path.relative_to(base)) for path in self.files(incident_id)]
 
     def _write(self, incident_id: str, name: str, text: str) -> None:
         """Write an already redacted text; a disk error is counted, never raised."""

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import psutil
 
-from omni_watchdog.types import ProcessIdentity
+from omni_watchdog.types import ProcessIdentity, ProcessTable
 
 PROC = Path("/proc")
 # What /proc/<pid>/wchan reads for a process that is not waiting in the kernel.
@@ -38,14 +37,14 @@ class ProcessCondition:
 
 
 def read_condition(
-    identity: ProcessIdentity, psutil_module: ModuleType = psutil, proc: Path = PROC
+    identity: ProcessIdentity, process_table: ProcessTable = psutil, proc: Path = PROC
 ) -> ProcessCondition:
     """The state and wait channel of a process, as far as this user may read them."""
     try:
-        state = str(psutil_module.Process(identity.pid).status())
-    except psutil_module.NoSuchProcess:
+        state = process_table.Process(identity.pid).status()
+    except process_table.NoSuchProcess:
         state = "gone"
-    except psutil_module.Error:
+    except process_table.Error:
         state = "unknown"
     try:
         wait_channel = (proc / str(identity.pid) / "wchan").read_text().strip()

@@ -20,6 +20,7 @@ from omni_watchdog.policy.actuators import Actuators
 from omni_watchdog.policy.inspect import ProcessCondition, read_condition
 from omni_watchdog.types import (
     Clock,
+    GpuReading,
     Incident,
     IncidentOutcome,
     Mode,
@@ -66,21 +67,6 @@ def ladder_from_config(config: LadderConfig) -> tuple[LadderStep, ...]:
 
 
 @dataclass(frozen=True)
-class GpuReading:
-    """Device memory now: bytes used per device, and held per (device, pid)."""
-
-    used_by_device: Mapping[int, float]
-    held: Mapping[tuple[int, int], float]
-
-    @property
-    def used_by_pid(self) -> dict[int, float]:
-        totals: dict[int, float] = {}
-        for (_, pid), used in self.held.items():
-            totals[pid] = totals.get(pid, 0.0) + used
-        return totals
-
-
-@dataclass(frozen=True)
 class TargetSnapshot:
     """What an incident acts on, fixed when it opens."""
 
@@ -104,7 +90,7 @@ def gpu_held(reading: GpuReading | None, processes: tuple[ProcessInfo, ...]) -> 
     if reading is None:
         return 0.0
     ours = {p.pid for p in processes}
-    return sum(b for (_, pid), b in reading.held.items() if pid in ours)
+    return sum(held.used_bytes for held in reading.processes if held.pid in ours)
 
 
 def gpu_baseline(
@@ -114,10 +100,10 @@ def gpu_baseline(
     if reading is None:
         return None
     ours = {p.pid for p in processes}
-    baseline = dict(reading.used_by_device)
-    for (device, pid), used in reading.held.items():
-        if pid in ours and device in baseline:
-            baseline[device] = max(0.0, baseline[device] - used)
+    baseline = reading.used_by_device
+    for held in reading.processes:
+        if held.pid in ours and held.gpu in baseline:
+            baseline[held.gpu] = max(0.0, baseline[held.gpu] - held.used_bytes)
     return baseline
 
 
@@ -166,6 +152,7 @@ class LadderRunner:
     ) -> Incident:
         done = {result.step for result in incident.steps}
         recovered_by: StepName | None = None
+        crashed = incident.crashed
         for step in self._steps:
             if step.name in done:
                 continue
@@ -174,7 +161,8 @@ class LadderRunner:
             if incident.mode is not Mode.ENFORCE and step.name is not StepName.CAPTURE:
                 result = self._plan(step, snapshot)
             else:
-                result = await self._perform(step, incident, snapshot)
+                result, exited_by_itself = await self._perform(step, incident, snapshot)
+                crashed = crashed or exited_by_itself
             incident = dataclasses.replace(incident, steps=(*incident.steps, result))
             on_step(incident)
             if (
@@ -184,13 +172,14 @@ class LadderRunner:
             ):
                 recovered_by = step.name
         cause = incident.cause
-        if any(EXITED_BY_ITSELF in s.detail for s in incident.steps if s.step is StepName.SHUTDOWN):
+        if crashed and not incident.crashed:
             cause += f"; the server crashed: {EXITED_BY_ITSELF}"
         return dataclasses.replace(
             incident,
             cause=cause,
             outcome=self._outcome(incident, recovered_by),
             closed=self._clock.wall(),
+            crashed=crashed,
         )
 
     def _outcome(self, incident: Incident, recovered_by: StepName | None) -> IncidentOutcome:
@@ -229,15 +218,20 @@ class LadderRunner:
 
     async def _perform(
         self, step: LadderStep, incident: Incident, snapshot: TargetSnapshot
-    ) -> StepResult:
+    ) -> tuple[StepResult, bool]:
+        """The step's result, and whether it found that the server exited by itself."""
         started, begun = self._clock.wall(), self._clock.monotonic()
         if step.name is StepName.CAPTURE:
             try:
-                return await asyncio.wait_for(self._capture(incident, snapshot), step.timeout + 1)
+                captured = await asyncio.wait_for(
+                    self._capture(incident, snapshot), step.timeout + 1
+                )
             except asyncio.TimeoutError:
-                return StepResult(step.name, StepOutcome.TIMEOUT, started, step.timeout)
+                captured = StepResult(step.name, StepOutcome.TIMEOUT, started, step.timeout)
+            return captured, False
+        exited_by_itself = False
         if step.name is StepName.SHUTDOWN:
-            outcome, detail = await self._shutdown(snapshot)
+            outcome, detail, exited_by_itself = await self._shutdown(snapshot)
         elif step.name is StepName.TERMINATE:
             outcome, detail = await self._signal_all(snapshot, signal.SIGTERM, step.timeout, False)
         elif step.name is StepName.KILL:
@@ -246,26 +240,29 @@ class LadderRunner:
             outcome, detail = await self._verify(incident, snapshot, step.timeout)
         duration = self._clock.monotonic() - begun
         pids = tuple(p.pid for p in snapshot.processes)
-        return StepResult(step.name, outcome, started, duration, detail, pids)
+        return StepResult(step.name, outcome, started, duration, detail, pids), exited_by_itself
 
-    async def _shutdown(self, snapshot: TargetSnapshot) -> tuple[StepOutcome, str]:
+    async def _shutdown(self, snapshot: TargetSnapshot) -> tuple[StepOutcome, str, bool]:
+        """How the step ended, why, and whether the server had exited by itself."""
         # Without the server's PID namespace nothing is recorded: the admin endpoint is then
         # the only lever, and its answer the only sign that the server is going.
         blind = not snapshot.processes
         if not blind and not self._survivors(snapshot):
-            return StepOutcome.SKIPPED, "no recorded process is alive"
+            return StepOutcome.SKIPPED, "no recorded process is alive", False
         if not blind and snapshot.root is None:
-            return StepOutcome.SKIPPED, "no server process was recorded; nothing to ask"
+            return StepOutcome.SKIPPED, "no server process was recorded; nothing to ask", False
         if snapshot.root is not None and not self._alive(snapshot.root):
-            return StepOutcome.SKIPPED, await self._after_self_exit(
+            detail = await self._after_self_exit(
                 snapshot, f"{EXITED_BY_ITSELF} before the ladder reached it"
             )
+            return StepOutcome.SKIPPED, detail, True
         if snapshot.server_reports_failure and snapshot.root is not None:
             grace = self._config.self_exit_grace
             if await self._wait_exit(snapshot.root, grace):
-                return StepOutcome.SKIPPED, await self._after_self_exit(
+                detail = await self._after_self_exit(
                     snapshot, f"{EXITED_BY_ITSELF} within {grace:g}s of its 503"
                 )
+                return StepOutcome.SKIPPED, detail, True
         answer = await self._actuators.request_shutdown(
             self._admin_url,
             self._config.admin_method,
@@ -273,17 +270,19 @@ class LadderRunner:
             self._config.admin_timeout,
         )
         if answer.outcome is not StepOutcome.OK:
-            return answer.outcome, answer.detail
+            return answer.outcome, answer.detail, False
         if blind:
-            return StepOutcome.RECOVERED, (
+            return (
+                StepOutcome.RECOVERED,
                 f"{answer.detail}; the server's processes are not visible from here,"
-                " so only its port can confirm the exit"
+                " so only its port can confirm the exit",
+                False,
             )
         gone = await self._wait_gone(snapshot, self._config.shutdown_grace)
         if gone:
-            return StepOutcome.RECOVERED, f"{answer.detail}; every recorded process exited"
+            return StepOutcome.RECOVERED, f"{answer.detail}; every recorded process exited", False
         left = ", ".join(str(p.pid) for p in self._survivors(snapshot))
-        return StepOutcome.NOT_RECOVERED, f"{answer.detail}; still alive: {left}"
+        return StepOutcome.NOT_RECOVERED, f"{answer.detail}; still alive: {left}", False
 
     async def _signal_all(
         self, snapshot: TargetSnapshot, sig: signal.Signals, grace: float, sweep: bool

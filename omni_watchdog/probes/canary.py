@@ -75,7 +75,7 @@ class CanaryProbe:
                 ObservationKind.CANARY,
                 finished,
                 value=finished - started,
-                outcome=outcome.value,
+                outcome=outcome,
                 detail=detail,
             )
         ]

@@ -3,35 +3,41 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from types import ModuleType
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from omni_watchdog.types import Clock, Observation, ObservationKind, ProbeError, StageRef
+from omni_watchdog.types import (
+    Clock,
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
+    Nvml,
+    Observation,
+    ObservationKind,
+    ProbeError,
+    StageRef,
+)
 
-NVML_MODULES = {"nvml": "pynvml", "sim": "omni_watchdog.sim.nvml"}
 
+def load_nvml(backend: str) -> Nvml[Any] | None:
+    """The NVML module of a backend: real pynvml, the simulator's stand-in, or none.
 
-def load_nvml(backend: str) -> ModuleType | None:
-    """The NVML module of a backend: real pynvml, the simulator's stand-in, or none."""
+    Which one is known only when the config is read, and each names devices by handles of
+    its own type: hence `Nvml[Any]`.
+    """
     if backend == "none":
         return None
-    if backend not in NVML_MODULES:
-        raise ValueError(f"unknown GPU backend {backend!r}: expected nvml, sim or none")
-    return importlib.import_module(NVML_MODULES[backend])
+    if backend == "nvml":
+        import pynvml
 
+        # pynvml carries no types: it is the API `Nvml` was written from.
+        real: Nvml[Any] = pynvml
+        return real
+    if backend == "sim":
+        from omni_watchdog.sim import nvml as simulated
 
-@dataclass(frozen=True)
-class DeviceReading:
-    """One device as NVML reported it in one collect."""
-
-    index: int
-    used_bytes: int
-    total_bytes: int
-    utilization: float | None
-    processes: dict[int, int]
+        return simulated
+    raise ValueError(f"unknown GPU backend {backend!r}: expected nvml, sim or none")
 
 
 class GpuProbe:
@@ -41,76 +47,33 @@ class GpuProbe:
 
     def __init__(
         self,
-        nvml_module: ModuleType,
+        nvml: Nvml[Any],
         clock: Clock,
         stage_of: Callable[[int], StageRef | None],
     ) -> None:
-        self._nvml = nvml_module
+        self._nvml = nvml
         self._clock = clock
         self._stage_of = stage_of
         self._initialized = False
-        self._devices: tuple[DeviceReading, ...] = ()
-        self._snapshot_time: float | None = None
+        # The last complete reading; None until the first.
+        self.last_reading: GpuReading | None = None
 
     async def collect(self) -> Sequence[Observation]:
         devices = await asyncio.to_thread(self._read)
         now = self._clock.monotonic()
-        self._devices = devices
-        self._snapshot_time = now
-        observations: list[Observation] = []
-        for device in devices:
-            observations.append(
-                Observation(
-                    ObservationKind.GPU_DEVICE,
-                    now,
-                    gpu=device.index,
-                    value=float(device.used_bytes),
-                    utilization=device.utilization,
-                )
-            )
-            observations.extend(
-                Observation(
-                    ObservationKind.GPU_PROCESS,
-                    now,
-                    pid=pid,
-                    gpu=device.index,
-                    value=float(used),
-                    stage=self._stage_of(pid),
-                )
-                for pid, used in sorted(device.processes.items())
-            )
-        return observations
-
-    def held_bytes(self, pids: Iterable[int]) -> int:
-        """Device memory the given pids held at the last collect, over all devices."""
-        wanted = set(pids)
-        return sum(
-            used
-            for device in self._devices
-            for pid, used in device.processes.items()
-            if pid in wanted
+        reading = GpuReading(
+            now,
+            tuple(device for device, _ in devices),
+            tuple(
+                GpuProcess(device.index, pid, float(used), self._stage_of(pid))
+                for device, held in devices
+                for pid, used in sorted(held.items())
+            ),
         )
+        self.last_reading = reading
+        return observations_of(reading)
 
-    def last_snapshot(self) -> dict[str, Any]:
-        """The last reading of every device, as plain JSON-able data for incident bundles."""
-        return {
-            "time": self._snapshot_time,
-            "devices": [
-                {
-                    "index": device.index,
-                    "used_bytes": device.used_bytes,
-                    "total_bytes": device.total_bytes,
-                    "utilization": device.utilization,
-                    "processes": [
-                        {"pid": pid, "used_bytes": used, "stage": _stage_name(self._stage_of(pid))}
-                        for pid, used in sorted(device.processes.items())
-                    ],
-                }
-                for device in self._devices
-            ],
-        }
-
-    def _read(self) -> tuple[DeviceReading, ...]:
+    def _read(self) -> tuple[tuple[GpuDevice, dict[int, int]], ...]:
         nvml = self._nvml
         if not self._initialized:
             try:
@@ -124,7 +87,8 @@ class GpuProbe:
             raise ProbeError(f"NVML cannot count devices: {error}") from None
         return tuple(self._read_device(index) for index in range(count))
 
-    def _read_device(self, index: int) -> DeviceReading:
+    def _read_device(self, index: int) -> tuple[GpuDevice, dict[int, int]]:
+        """The device, and the bytes each pid holds on it."""
         nvml = self._nvml
         # Memory and the pid list must be complete: a partial reading would look like
         # memory given back, which is exactly what the verify step must not believe.
@@ -144,14 +108,31 @@ class GpuProbe:
             # Some drivers report no per-process figure (None) rather than a number.
             used = int(process.usedGpuMemory or 0)
             processes[process.pid] = processes.get(process.pid, 0) + used
-        return DeviceReading(
-            index=index,
-            used_bytes=int(memory.used),
-            total_bytes=int(memory.total),
-            utilization=utilization,
-            processes=processes,
+        device = GpuDevice(index, float(memory.used), float(memory.total), utilization)
+        return device, processes
+
+
+def observations_of(reading: GpuReading) -> list[Observation]:
+    """A reading as the detector takes it: one observation per device and per pid."""
+    observations = [
+        Observation(
+            ObservationKind.GPU_DEVICE,
+            reading.time,
+            gpu=device.index,
+            value=device.used_bytes,
+            utilization=device.utilization,
         )
-
-
-def _stage_name(stage: StageRef | None) -> str | None:
-    return str(stage) if stage is not None else None
+        for device in reading.devices
+    ]
+    observations.extend(
+        Observation(
+            ObservationKind.GPU_PROCESS,
+            reading.time,
+            pid=held.pid,
+            gpu=held.gpu,
+            value=held.used_bytes,
+            stage=held.stage,
+        )
+        for held in reading.processes
+    )
+    return observations

@@ -67,7 +67,7 @@ class HealthProbe:
                 ObservationKind.HEALTH,
                 finished,
                 value=finished - started,
-                outcome=outcome.value,
+                outcome=outcome,
                 detail=detail,
             )
         ]

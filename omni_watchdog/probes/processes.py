@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from types import ModuleType
-from typing import Any
 
 from omni_watchdog import process_start
 from omni_watchdog.redact import redact_argv
@@ -25,10 +24,13 @@ from omni_watchdog.types import (
     Observation,
     ObservationKind,
     ProbeError,
+    ProcessHandle,
     ProcessIdentity,
     ProcessInfo,
     ProcessRole,
+    ProcessSocket,
     ProcessStatus,
+    ProcessTable,
     StageRef,
     Topology,
     TopologyOrigin,
@@ -90,6 +92,20 @@ class _Snapshot:
     def identity(self) -> ProcessIdentity:
         return ProcessIdentity(self.pid, self.create_time)
 
+    def info(self, role: ProcessRole, stage: StageRef | None = None) -> ProcessInfo:
+        return ProcessInfo(
+            pid=self.pid,
+            create_time=self.create_time,
+            ppid=self.ppid,
+            pgid=self.pgid,
+            sid=self.sid,
+            title=self.title,
+            status=self.status,
+            cpu_seconds=self.cpu_seconds,
+            role=role,
+            stage=stage,
+        )
+
 
 @dataclass
 class _Scan:
@@ -120,7 +136,7 @@ class ProcessTracker:
 
     def __init__(
         self,
-        psutil_module: ModuleType,
+        process_table: ProcessTable,
         clock: Clock,
         *,
         own_pid: int,
@@ -134,7 +150,7 @@ class ProcessTracker:
     ) -> None:
         if pid is None and target_port is None:
             raise ValueError("ProcessTracker needs the server's pid or its port")
-        self._psutil = psutil_module
+        self._psutil = process_table
         self._clock = clock
         self._own_pid = own_pid
         self._port = target_port
@@ -147,6 +163,7 @@ class ProcessTracker:
         self._current: _Generation | None = None
         self._previous: _Generation | None = None
         self._learned: dict[int, tuple[StageRef, ProcessRole | None]] = {}
+        self._adopted: set[ProcessIdentity] = set()
         self.generation = 0
         self.target_alive = False
 
@@ -179,8 +196,9 @@ class ProcessTracker:
         return None
 
     def is_recorded(self, identity: ProcessIdentity) -> bool:
-        """True for a process recorded in this or the previous generation (pid + start)."""
-        return any(
+        """True for a process recorded in this or the previous generation, or adopted from
+        a resumed incident (pid + start)."""
+        return identity in self._adopted or any(
             generation is not None and identity in generation.records
             for generation in (self._current, self._previous)
         )
@@ -219,6 +237,26 @@ class ProcessTracker:
         """Map a pid to a stage from span resource attributes; this beats titles and order."""
         role = ROLE_OF_KIND.get(process_kind.lower()) if process_kind else None
         self._learned[pid] = (stage, role)
+
+    async def adopt(
+        self, identities: Iterable[ProcessIdentity], root: ProcessIdentity | None
+    ) -> tuple[ProcessInfo, ...]:
+        """Record a resumed incident's processes that are still the same processes, read as
+        they are now: `root` as the API server, the others as helpers. They stay recorded
+        for the tracker's life, whichever server its scans attach to, so that the ladder
+        may finish them.
+        """
+        snapshots = await asyncio.to_thread(self._read_identities, tuple(identities))
+        adopted = tuple(
+            # Named as the journal named it: the ladder's guards compare with that.
+            dataclasses.replace(
+                snapshot.info(ProcessRole.API if identity == root else ProcessRole.HELPER),
+                create_time=identity.create_time,
+            )
+            for identity, snapshot in snapshots
+        )
+        self._adopted.update(info.identity for info in adopted)
+        return adopted
 
     # --- collection ------------------------------------------------------------------
 
@@ -310,14 +348,8 @@ class ProcessTracker:
                 continue
             learned = self._learned.get(identity.pid)
             orphan = replace(
-                previous,
-                stage=learned[0] if learned else previous.stage,
-                ppid=snapshot.ppid,
-                pgid=snapshot.pgid,
-                sid=snapshot.sid,
-                title=snapshot.title,
-                status=snapshot.status,
-                cpu_seconds=snapshot.cpu_seconds,
+                snapshot.info(previous.role, learned[0] if learned else previous.stage),
+                create_time=previous.create_time,
                 orphaned=True,
             )
             generation.records[identity] = orphan
@@ -364,7 +396,7 @@ class ProcessTracker:
             ObservationKind.PROCESS,
             now,
             stage=info.stage,
-            outcome=info.status.value,
+            outcome=info.status,
             process=info,
             pid=info.pid,
         )
@@ -410,20 +442,7 @@ class ProcessTracker:
         infos = []
         for snapshot in tree:
             role, stage = role_of(snapshot)
-            infos.append(
-                ProcessInfo(
-                    pid=snapshot.pid,
-                    create_time=snapshot.create_time,
-                    ppid=snapshot.ppid,
-                    pgid=snapshot.pgid,
-                    sid=snapshot.sid,
-                    title=snapshot.title,
-                    status=snapshot.status,
-                    cpu_seconds=snapshot.cpu_seconds,
-                    role=role,
-                    stage=stage,
-                )
-            )
+            infos.append(snapshot.info(role, stage))
         return infos
 
     def _title_role(
@@ -511,18 +530,19 @@ class ProcessTracker:
         return {
             connection.pid
             for connection in connections
-            if self._is_target_listener(connection)
-            and connection.pid not in (None, self._own_pid, 1)
+            if connection.pid is not None
+            and connection.pid not in (self._own_pid, 1)
+            and self._is_target_listener(connection)
         }
 
-    def _listens(self, process: Any) -> bool:
+    def _listens(self, process: ProcessHandle) -> bool:
         try:
             connections = process.net_connections(kind="tcp")
         except self._psutil.Error:
             return False
         return any(self._is_target_listener(connection) for connection in connections)
 
-    def _is_target_listener(self, connection: Any) -> bool:
+    def _is_target_listener(self, connection: ProcessSocket) -> bool:
         return bool(
             connection.status == self._psutil.CONN_LISTEN
             and connection.laddr
@@ -533,9 +553,9 @@ class ProcessTracker:
         """The root (if it is still the same process) and all its descendants."""
         try:
             process = self._psutil.Process(root.pid)
-            if self._start_time(root.pid) != root.create_time:
-                return None
             root_snapshot = self._read(process)
+            if not root.matches(root_snapshot.identity):
+                return None
             children = process.children(recursive=True)
         except self._psutil.NoSuchProcess:
             return None
@@ -552,9 +572,24 @@ class ProcessTracker:
     def _read_identity(self, identity: ProcessIdentity) -> _Snapshot | None:
         """The process if it still lives with the same start time, else None: it is gone."""
         snapshot = self._read_pid(identity.pid)
-        if snapshot is None or snapshot.create_time != identity.create_time:
+        if snapshot is None or not identity.matches(snapshot.identity):
             return None
         return snapshot
+
+    def _read_identities(
+        self, identities: Sequence[ProcessIdentity]
+    ) -> list[tuple[ProcessIdentity, _Snapshot]]:
+        """The processes that are still the same processes, each as `_read_identity` reads
+        it; one that may not be read is left out like one that is gone."""
+        found = []
+        for identity in identities:
+            try:
+                snapshot = self._read_identity(identity)
+            except self._psutil.Error:
+                continue
+            if snapshot is not None:
+                found.append((identity, snapshot))
+        return found
 
     def _read_pid(self, pid: int) -> _Snapshot | None:
         try:
@@ -562,7 +597,7 @@ class ProcessTracker:
         except self._psutil.NoSuchProcess:
             return None
 
-    def _read(self, process: Any) -> _Snapshot:
+    def _read(self, process: ProcessHandle) -> _Snapshot:
         """One process's facts; a zombie still has a pid, a start time and a status."""
         psutil = self._psutil
         create_time = self._start_time(process.pid)

@@ -15,27 +15,29 @@ from typing import Any, Union
 
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from omni_watchdog.process_start import BOOT_ID_KEY, START_TICKS_KEY
+from omni_watchdog.semconv import (
+    EXCEPTION_MESSAGE,
+    GEN_AI_LATENCY_E2E,
+    GEN_AI_LATENCY_TIME_IN_QUEUE,
+    GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN,
+    GEN_AI_REQUEST_ID,
+    GEN_AI_USAGE_COMPLETION_TOKENS,
+    GEN_AI_USAGE_PROMPT_TOKENS,
+    HOST_BOOT_ID,
+    PROCESS_KIND,
+    PROCESS_PID,
+    PROCESS_START_TICKS,
+    REQUEST_ID,
+    SERVICE_NAME,
+    STAGE_ID,
+    STAGE_NAME,
+    STAGE_REPLICA,
+    VLLM_PROCESS_ID,
+    VLLM_PROCESS_KIND,
+)
 from omni_watchdog.types import StageRef
 
 AttributeValue = Union[str, int, float, bool, list[Any]]  # noqa: UP007 (an alias, 3.10)
-
-STAGE_ID = "omni.stage.id"
-STAGE_REPLICA = "omni.stage.replica"
-STAGE_NAME = "omni.stage.name"
-PROCESS_KIND = "omni.process.kind"
-PROCESS_PID = "process.pid"
-REQUEST_ID = "omni.request.id"
-STAGE_PATH = "omni.request.stage_path"
-SERVICE_NAME = "service.name"
-VLLM_PROCESS_ID = "vllm.process_id"
-VLLM_PROCESS_KIND = "vllm.process_kind"
-GEN_AI_REQUEST_ID = "gen_ai.request.id"
-GEN_AI_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
-GEN_AI_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
-GEN_AI_E2E = "gen_ai.latency.e2e"
-GEN_AI_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
-GEN_AI_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
 
 STATUS_NAMES = ("unset", "ok", "error")
 STATUS_CODE_ERROR = 2
@@ -143,7 +145,7 @@ def compact_span(span: Any) -> bytes:
             break
         copied = kept.events.add(name=event.name[:MAX_TEXT], time_unix_nano=event.time_unix_nano)
         for kv in event.attributes:
-            if kv.key == "exception.message":
+            if kv.key == EXCEPTION_MESSAGE:
                 copied.attributes.add(key=kv.key).value.string_value = str(
                     _bounded_scalar(kv.value)
                 )
@@ -225,8 +227,8 @@ class ResourceInfo:
             pid=pid,
             process_kind=str(kind),
             service_name=str(attributes.get(SERVICE_NAME, "")),
-            start_ticks=as_int(attributes.get(START_TICKS_KEY)),
-            boot_id=str(attributes.get(BOOT_ID_KEY, "")),
+            start_ticks=as_int(attributes.get(PROCESS_START_TICKS)),
+            boot_id=str(attributes.get(HOST_BOOT_ID, "")),
         )
 
 
@@ -293,11 +295,11 @@ class SpanRecord:
             process_kind=str(attributes.get(PROCESS_KIND, resource.process_kind)),
             service_name=resource.service_name,
             request_id=str(attributes.get(REQUEST_ID, attributes.get(GEN_AI_REQUEST_ID, ""))),
-            prompt_tokens=as_int(attributes.get(GEN_AI_PROMPT_TOKENS)),
-            completion_tokens=as_int(attributes.get(GEN_AI_COMPLETION_TOKENS)),
-            latency_e2e=as_float(attributes.get(GEN_AI_E2E)),
-            time_to_first_token=as_float(attributes.get(GEN_AI_TIME_TO_FIRST_TOKEN)),
-            time_in_queue=as_float(attributes.get(GEN_AI_TIME_IN_QUEUE)),
+            prompt_tokens=as_int(attributes.get(GEN_AI_USAGE_PROMPT_TOKENS)),
+            completion_tokens=as_int(attributes.get(GEN_AI_USAGE_COMPLETION_TOKENS)),
+            latency_e2e=as_float(attributes.get(GEN_AI_LATENCY_E2E)),
+            time_to_first_token=as_float(attributes.get(GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN)),
+            time_in_queue=as_float(attributes.get(GEN_AI_LATENCY_TIME_IN_QUEUE)),
             attributes=attributes,
         )
 

@@ -35,13 +35,8 @@ from omni_watchdog import pipeline_report
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.probes.span_store import (
     EMPTY_RESOURCE,
-    GEN_AI_REQUEST_ID,
     MAX_ATTRIBUTES,
     MAX_SPAN_BYTES,
-    REQUEST_ID,
-    STAGE_ID,
-    STAGE_PATH,
-    STAGE_REPLICA,
     STATUS_CODE_ERROR,
     ResourceInfo,
     SpanStore,
@@ -51,11 +46,29 @@ from omni_watchdog.probes.span_store import (
     compact_span,
     stage_of,
 )
+from omni_watchdog.semconv import (
+    EXCEPTION_EVENT,
+    EXCEPTION_MESSAGE,
+    GEN_AI_REQUEST_ID,
+    HEARTBEAT_SPAN,
+    REQUEST_ABANDONED_SPAN,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_FINISHED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    STAGE_ID,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+    TOPOLOGY_SPAN,
+    VLLM_REQUEST_SPAN,
+)
 from omni_watchdog.topology import MAX_STAGES, TopologyError, reported_topology
 from omni_watchdog.types import (
     Clock,
     Observation,
     ObservationKind,
+    ReceiverStats,
+    SpanOutcome,
     SpanSenders,
     StageRef,
     Topology,
@@ -67,16 +80,10 @@ TRACES_PATH = "/v1/traces"
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 
-HEARTBEAT_SPAN = "omni.stage.loop"
-ADMITTED_SPAN = "omni.request.admitted"
-ABANDONED_SPAN = "omni.request.abandoned"
-FINISHED_SPAN = "omni.request.finished"
-STAGE_REQUEST_SPAN = "omni.stage.request"
-VLLM_REQUEST_SPAN = "llm_request"
 _STAGE_SPAN_NAMES = frozenset({STAGE_REQUEST_SPAN, VLLM_REQUEST_SPAN})
 _REQUEST_END_KINDS = {
-    ABANDONED_SPAN: ObservationKind.REQUEST_ABANDONED,
-    FINISHED_SPAN: ObservationKind.REQUEST_FINISHED,
+    REQUEST_ABANDONED_SPAN: ObservationKind.REQUEST_ABANDONED,
+    REQUEST_FINISHED_SPAN: ObservationKind.REQUEST_FINISHED,
 }
 
 # Plain vLLM sets no stage attributes: it is one stage.
@@ -110,7 +117,9 @@ _INFLATE_CHUNK = 256 * 1024
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
 
 # The only span attributes read on ingestion; the rest are read when a record is built.
-_WANTED_KEYS = frozenset({STAGE_ID, STAGE_REPLICA, REQUEST_ID, STAGE_PATH, GEN_AI_REQUEST_ID})
+_WANTED_KEYS = frozenset(
+    {STAGE_ID, STAGE_REPLICA, REQUEST_ID, REQUEST_STAGE_PATH, GEN_AI_REQUEST_ID}
+)
 _WANTED_KEY_BYTES = tuple((key, key.encode()) for key in sorted(_WANTED_KEYS))
 _NOTHING: dict[str, Any] = {}
 # Distinct stage attribute values remembered; senders use a handful, a hostile one more.
@@ -165,19 +174,6 @@ class IngestResult:
     accepted: int
     rejected: int
     error_message: str = ""
-
-
-@dataclass(frozen=True)
-class ReceiverStats:
-    """Counters for the exporters; `spans_rejected` counts spans for `malformed_id` and
-    request bodies for the other reasons, whose spans were never decoded."""
-
-    spans_accepted: int
-    spans_rejected: Mapping[str, int]
-    requests: Mapping[int, int]
-    forwarded: int
-    forward_dropped: int
-    queue_depth: int
 
 
 class SpanForwarder:
@@ -350,7 +346,7 @@ def _stage_span(span: Any, stage: StageRef, found: Mapping[str, Any], now: float
         now,
         stage=stage,
         value=max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
-        outcome="error" if failed else "ok",
+        outcome=SpanOutcome.ERROR if failed else SpanOutcome.OK,
         detail=_error_detail(span)[:MAX_REQUEST_ID] if failed else "",
         request_id=_request_id(found, REQUEST_ID, GEN_AI_REQUEST_ID),
     )
@@ -387,9 +383,9 @@ def _error_detail(span: Any) -> str:
     if span.status.message:
         return str(span.status.message)
     for event in span.events:
-        if event.name == "exception":
+        if event.name == EXCEPTION_EVENT:
             for kv in event.attributes:
-                if kv.key == "exception.message":
+                if kv.key == EXCEPTION_MESSAGE:
                     return str(attribute_value(kv.value))
     return ""
 
@@ -683,7 +679,7 @@ class SpanReceiver:
                         # never a process's liveness or the requests it owes.
                         self._rejected["unknown_sender"] += 1
                         continue
-                    if name == pipeline_report.TOPOLOGY_SPAN:
+                    if name == TOPOLOGY_SPAN:
                         topology = _reported_topology(span)
                         if topology is None:
                             self._rejected["malformed_topology"] += 1
@@ -703,14 +699,14 @@ class SpanReceiver:
                     elif name in _STAGE_SPAN_NAMES:
                         if stage is not None:
                             gathered.append(_stage_span(span, stage, found, now))
-                    elif name == ADMITTED_SPAN:
+                    elif name == REQUEST_ADMITTED_SPAN:
                         gathered.append(
                             Observation(
                                 ObservationKind.REQUEST_ADMITTED,
                                 now,
                                 stage=stage,
                                 request_id=_request_id(found, REQUEST_ID),
-                                path=_stage_path(found.get(STAGE_PATH)),
+                                path=_stage_path(found.get(REQUEST_STAGE_PATH)),
                             )
                         )
                     elif name in _REQUEST_END_KINDS:

@@ -1,1 +1,4 @@
-"""The simulated vLLM-Omni server, its faults and its NVML stand-in (DESIGN.md section 7)."""
+"""The simulated vLLM-Omni server, its faults and its NVML stand-in.
+
+See docs/design.md, The simulated server.
+"""

@@ -1,4 +1,4 @@
-"""The faults of DESIGN.md section 7, how they are named, and the record of each firing."""
+"""The faults (docs/design.md, Fault table), how they are named, and the record of each firing."""
 
 from __future__ import annotations
 

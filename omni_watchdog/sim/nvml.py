@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 
 from omni_watchdog.process_start import seconds_after_boot
+from omni_watchdog.types import ProcessIdentity
 
 STATE_ENV = "OMNI_WATCHDOG_SIM_STATE"
 GIB = 1024**3
@@ -222,7 +223,7 @@ class SimulatedNvml:
             alive = self._lookup(pid)
             if alive is None or alive[1]:
                 continue
-            if alive[0] != started:
+            if not ProcessIdentity(pid, started).matches(ProcessIdentity(pid, alive[0])):
                 continue  # the pid was reused by an unrelated process
             holdings.append(_Holding(pid, memory, utilization))
         return holdings

@@ -9,10 +9,11 @@ import pytest
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import DetectionConfig
-from omni_watchdog.detector import Detector, DetectorReport
+from omni_watchdog.detector import Detector
 from omni_watchdog.detector.core import MAX_EXTRA_STAGES, MAX_PROCESSES_PER_STAGE
 from omni_watchdog.detector.expectations import EARLY_SPANS_PER_REQUEST, PendingRequests
 from omni_watchdog.types import (
+    DetectorReport,
     EvidenceKind,
     HealthOutcome,
     Observation,
@@ -20,10 +21,12 @@ from omni_watchdog.types import (
     ProcessInfo,
     ProcessRole,
     ProcessStatus,
+    SpanOutcome,
     Stage,
     StageRef,
     StageState,
     Topology,
+    Verdict,
 )
 
 CONFIG = DetectionConfig()
@@ -39,7 +42,9 @@ S0, S1, S2 = StageRef(0), StageRef(1), StageRef(2)
 ROOT = ProcessInfo(100, 1.0, 1, 100, 100, "api", ProcessStatus.SLEEPING, 1.0, ProcessRole.API)
 
 
-def process(pid: int, stage: StageRef, role: ProcessRole, status: ProcessStatus, cpu: float = 1.0):
+def process(
+    pid: int, stage: StageRef, role: ProcessRole, status: ProcessStatus, cpu: float = 1.0
+) -> ProcessInfo:
     return ProcessInfo(pid, 2.0, 100, 100, 100, role.value, status, cpu, role, stage)
 
 
@@ -60,8 +65,8 @@ class World:
 
     def tick(self, now: float, second: int) -> list[Observation]:
         out: list[Observation] = [
-            Observation(ObservationKind.HEALTH, now, outcome=self.health.value),
-            Observation(ObservationKind.PROCESS, now, process=ROOT, outcome="sleeping"),
+            Observation(ObservationKind.HEALTH, now, outcome=self.health),
+            Observation(ObservationKind.PROCESS, now, process=ROOT, outcome=ProcessStatus.SLEEPING),
         ]
         for ref in self.heartbeats:
             out.append(Observation(ObservationKind.HEARTBEAT, now, stage=ref))
@@ -73,12 +78,11 @@ class World:
         for pid, (ref, status) in enumerate(self.engines.items(), start=200):
             cpu = float(second) if self.cpu_moving else 1.0
             info = process(pid, ref, ProcessRole.ENGINE, status, cpu)
-            outcome = "exited" if status is ProcessStatus.EXITED else status.value
-            out.append(Observation(ObservationKind.PROCESS, now, process=info, outcome=outcome))
+            out.append(Observation(ObservationKind.PROCESS, now, process=info, outcome=status))
         if self.canary is not None:
-            out.append(Observation(ObservationKind.CANARY, now, outcome=self.canary.value))
+            out.append(Observation(ObservationKind.CANARY, now, outcome=self.canary))
         for ref in self.spans:
-            out.append(Observation(ObservationKind.STAGE_SPAN, now, ref, 0.1, "ok"))
+            out.append(Observation(ObservationKind.STAGE_SPAN, now, ref, 0.1, SpanOutcome.OK))
         return out
 
 
@@ -109,7 +113,7 @@ def kinds_of(report: DetectorReport, ref: StageRef) -> set[EvidenceKind]:
     return {e.kind for s in report.statuses if s.stage == ref for e in s.evidence}
 
 
-def first_verdict(reports: list[DetectorReport]):
+def first_verdict(reports: list[DetectorReport]) -> tuple[int, Verdict] | None:
     return next(((i, v) for i, r in enumerate(reports) for v in r.verdicts), None)
 
 
@@ -200,7 +204,15 @@ SCENARIOS = [
     [s[1:] for s in SCENARIOS],
     ids=[s[0] for s in SCENARIOS],
 )
-def test_scenarios(topology, change, seconds, stage, final, verdict, kinds) -> None:
+def test_scenarios(
+    topology: Topology,
+    change: Callable[[World, int], None],
+    seconds: int,
+    stage: StageRef,
+    final: StageState,
+    verdict: bool,
+    kinds: set[EvidenceKind],
+) -> None:
     world = World(heartbeats=set(topology.refs()) if topology is THREE_STAGES else set())
     if topology is THREE_STAGES:
         world.engines = {S0: ProcessStatus.SLEEPING, S1: ProcessStatus.SLEEPING}
@@ -220,7 +232,9 @@ def test_scenarios(topology, change, seconds, stage, final, verdict, kinds) -> N
 def test_engine_dead_hang_is_judged_within_five_seconds_of_the_fault() -> None:
     world = World(engines={S0: ProcessStatus.SLEEPING, S1: ProcessStatus.SLEEPING})
     reports = run(THREE_STAGES, world, 20, after(10, engine_dies))
-    second, verdict = first_verdict(reports)
+    found = first_verdict(reports)
+    assert found is not None
+    second, verdict = found
     assert verdict.stage == S1 and verdict.state is StageState.DEAD
     assert second - 10 <= 5
     # The neighbours keep beating: the starved /health is not charged to them.
@@ -253,7 +267,9 @@ def test_one_kind_alone_needs_confirm_timeout() -> None:
     reports = run(THREE_STAGES, World(), 30, after(10, beat_lost))
     # heartbeat_lost from 13 s (3 s timeout); confirmed alone 10 s later.
     assert state_of(reports[15], S2) is StageState.DEGRADED
-    second, verdict = first_verdict(reports)
+    found = first_verdict(reports)
+    assert found is not None
+    second, verdict = found
     assert verdict.stage == S2 and verdict.state is StageState.STALLED
     assert 22 <= second <= 24
 
@@ -299,13 +315,18 @@ def test_slow_but_alive_never_stalls_however_late() -> None:
         now = clock.monotonic()
         detector.observe(
             [
-                Observation(ObservationKind.HEALTH, now, outcome="ok"),
+                Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK),
                 *[Observation(ObservationKind.HEARTBEAT, now, stage=r) for r in (S0, S1, S2)],
                 Observation(
                     ObservationKind.REQUEST_ADMITTED, now, request_id=f"r{second}", path=(0, 1, 2)
                 ),
                 Observation(
-                    ObservationKind.STAGE_SPAN, now, S0, 0.1, "ok", request_id=f"r{second}"
+                    ObservationKind.STAGE_SPAN,
+                    now,
+                    S0,
+                    0.1,
+                    SpanOutcome.OK,
+                    request_id=f"r{second}",
                 ),
                 Observation(ObservationKind.PROGRESS, now, S1, tokens),
                 Observation(ObservationKind.LOAD, now, S1, 4.0),
@@ -319,11 +340,16 @@ def test_slow_but_alive_never_stalls_however_late() -> None:
                         now,
                         S1,
                         40.0,
-                        "ok",
+                        SpanOutcome.OK,
                         request_id=f"r{second - 40}",
                     ),
                     Observation(
-                        ObservationKind.STAGE_SPAN, now, S2, 0.1, "ok", request_id=f"r{second - 40}"
+                        ObservationKind.STAGE_SPAN,
+                        now,
+                        S2,
+                        0.1,
+                        SpanOutcome.OK,
+                        request_id=f"r{second - 40}",
                     ),
                 ]
             )
@@ -344,7 +370,16 @@ def test_span_deadline_adapts_to_the_stage_p99() -> None:
     detector = Detector(CONFIG, THREE_STAGES, clock.monotonic())
     for i in range(100):
         detector.observe(
-            [Observation(ObservationKind.STAGE_SPAN, 0.0, S1, 5.0 + i * 0.01, "ok", request_id="x")]
+            [
+                Observation(
+                    ObservationKind.STAGE_SPAN,
+                    0.0,
+                    S1,
+                    5.0 + i * 0.01,
+                    SpanOutcome.OK,
+                    request_id="x",
+                )
+            ]
         )
     assert detector.deadline(1) == pytest.approx(4.0 * 5.99)
     assert detector.deadline(0) == CONFIG.overdue_floor
@@ -356,9 +391,11 @@ def test_overdue_span_is_evidence_on_the_stage_the_request_waits_at() -> None:
     now = clock.monotonic()
     detector.observe(
         [
-            Observation(ObservationKind.HEALTH, now, outcome="ok"),
+            Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK),
             Observation(ObservationKind.REQUEST_ADMITTED, now, request_id="a", path=(0, 1, 2)),
-            Observation(ObservationKind.STAGE_SPAN, now + 1, S0, 1.0, "ok", request_id="a"),
+            Observation(
+                ObservationKind.STAGE_SPAN, now + 1, S0, 1.0, SpanOutcome.OK, request_id="a"
+            ),
         ]
     )
     report = detector.evaluate(now + 12.5)
@@ -374,16 +411,23 @@ def test_stage_spans_that_arrive_before_the_admission_count() -> None:
     now = clock.monotonic()
     detector.observe(
         [
-            Observation(ObservationKind.HEALTH, now, outcome="ok"),
+            Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK),
             *[
-                Observation(ObservationKind.STAGE_SPAN, now, ref, 0.1, "ok", request_id="fast")
+                Observation(
+                    ObservationKind.STAGE_SPAN, now, ref, 0.1, SpanOutcome.OK, request_id="fast"
+                )
                 for ref in (S0, S1)
             ],
             Observation(
                 ObservationKind.REQUEST_ADMITTED, now + 0.4, request_id="fast", path=(0, 1, 2)
             ),
             Observation(
-                ObservationKind.STAGE_SPAN, now + 0.5, S0, 0.1, "error", request_id="failed-early"
+                ObservationKind.STAGE_SPAN,
+                now + 0.5,
+                S0,
+                0.1,
+                SpanOutcome.ERROR,
+                request_id="failed-early",
             ),
             Observation(
                 ObservationKind.REQUEST_ADMITTED,
@@ -403,7 +447,11 @@ def test_stage_spans_that_arrive_before_the_admission_count() -> None:
         )
         if second == 2:
             detector.observe(
-                [Observation(ObservationKind.STAGE_SPAN, now, S2, 0.1, "ok", request_id="fast")]
+                [
+                    Observation(
+                        ObservationKind.STAGE_SPAN, now, S2, 0.1, SpanOutcome.OK, request_id="fast"
+                    )
+                ]
             )
         report = detector.evaluate(now)
         assert not report.verdicts
@@ -420,10 +468,14 @@ def test_a_finished_request_is_owed_no_span_by_a_stage_that_sent_none() -> None:
     now = clock.monotonic()
     detector.observe(
         [
-            Observation(ObservationKind.HEALTH, now, outcome="ok"),
+            Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK),
             Observation(ObservationKind.REQUEST_ADMITTED, now, request_id="quiet", path=(0, 1, 2)),
-            Observation(ObservationKind.STAGE_SPAN, now + 0.1, S0, 0.1, "ok", request_id="quiet"),
-            Observation(ObservationKind.STAGE_SPAN, now + 2, S1, 1.9, "ok", request_id="quiet"),
+            Observation(
+                ObservationKind.STAGE_SPAN, now + 0.1, S0, 0.1, SpanOutcome.OK, request_id="quiet"
+            ),
+            Observation(
+                ObservationKind.STAGE_SPAN, now + 2, S1, 1.9, SpanOutcome.OK, request_id="quiet"
+            ),
             Observation(ObservationKind.REQUEST_FINISHED, now + 2.1, request_id="quiet"),
         ]
     )
@@ -446,12 +498,14 @@ def test_abandoned_requests_leave_every_stage_queue() -> None:
     now = clock.monotonic()
     detector.observe(
         [
-            Observation(ObservationKind.HEALTH, now, outcome="ok"),
+            Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK),
             *[
                 Observation(ObservationKind.REQUEST_ADMITTED, now, request_id=rid, path=(0, 1, 2))
                 for rid in ("gone-at-0", "gone-at-1", "stays")
             ],
-            Observation(ObservationKind.STAGE_SPAN, now + 1, S0, 1.0, "ok", request_id="gone-at-1"),
+            Observation(
+                ObservationKind.STAGE_SPAN, now + 1, S0, 1.0, SpanOutcome.OK, request_id="gone-at-1"
+            ),
             Observation(ObservationKind.REQUEST_ABANDONED, now + 2, request_id="gone-at-0"),
             Observation(ObservationKind.REQUEST_ABANDONED, now + 2, request_id="gone-at-1"),
             # Abandoned before it was seen, or twice: nothing to forget.
@@ -471,7 +525,12 @@ def test_abandoned_requests_leave_every_stage_queue() -> None:
             detector.observe(
                 [
                     Observation(
-                        ObservationKind.STAGE_SPAN, now, S1, 1.0, "ok", request_id="gone-at-1"
+                        ObservationKind.STAGE_SPAN,
+                        now,
+                        S1,
+                        1.0,
+                        SpanOutcome.OK,
+                        request_id="gone-at-1",
                     )
                 ]
             )
@@ -508,7 +567,11 @@ def test_zombie_helper_is_reported_not_judged() -> None:
         now = clock.monotonic()
         detector.observe(world.tick(now, 0))
         detector.observe(
-            [Observation(ObservationKind.PROCESS, now, process=zombie, outcome="zombie")]
+            [
+                Observation(
+                    ObservationKind.PROCESS, now, process=zombie, outcome=ProcessStatus.ZOMBIE
+                )
+            ]
         )
         report = detector.evaluate(now)
         clock.advance(1.0)
@@ -521,19 +584,30 @@ def test_server_exit_after_engine_death_is_a_crash() -> None:
     engine = process(200, S0, ProcessRole.ENGINE, ProcessStatus.SLEEPING)
     for second in range(12):
         now = clock.monotonic()
-        health = "ok" if second < 8 else "unhealthy"
+        health = HealthOutcome.OK if second < 8 else HealthOutcome.UNHEALTHY
         detector.observe([Observation(ObservationKind.HEALTH, now, outcome=health, detail="503")])
         detector.observe(
-            [Observation(ObservationKind.PROCESS, now, process=ROOT, outcome="sleeping")]
+            [
+                Observation(
+                    ObservationKind.PROCESS, now, process=ROOT, outcome=ProcessStatus.SLEEPING
+                )
+            ]
         )
-        outcome = "sleeping" if second < 8 else "exited"
+        outcome = ProcessStatus.SLEEPING if second < 8 else ProcessStatus.EXITED
         detector.observe(
             [Observation(ObservationKind.PROCESS, now, process=engine, outcome=outcome)]
         )
         assert detector.evaluate(now).target_exit is None
         clock.advance(1.0)
     detector.observe(
-        [Observation(ObservationKind.PROCESS, clock.monotonic(), process=ROOT, outcome="exited")]
+        [
+            Observation(
+                ObservationKind.PROCESS,
+                clock.monotonic(),
+                process=ROOT,
+                outcome=ProcessStatus.EXITED,
+            )
+        ]
     )
     report = detector.evaluate(clock.monotonic())
     assert report.target_exit is not None and report.target_exit.crashed
@@ -550,21 +624,31 @@ def test_clean_stop_is_not_a_crash() -> None:
     engine = process(200, S0, ProcessRole.ENGINE, ProcessStatus.SLEEPING)
     for _ in range(10):
         now = clock.monotonic()
-        detector.observe([Observation(ObservationKind.HEALTH, now, outcome="ok")])
+        detector.observe([Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK)])
         detector.observe(
-            [Observation(ObservationKind.PROCESS, now, process=engine, outcome="sleeping")]
+            [
+                Observation(
+                    ObservationKind.PROCESS, now, process=engine, outcome=ProcessStatus.SLEEPING
+                )
+            ]
         )
         detector.observe(
-            [Observation(ObservationKind.PROCESS, now, process=ROOT, outcome="sleeping")]
+            [
+                Observation(
+                    ObservationKind.PROCESS, now, process=ROOT, outcome=ProcessStatus.SLEEPING
+                )
+            ]
         )
         detector.evaluate(now)
         clock.advance(1.0)
     now = clock.monotonic()
     detector.observe(
         [
-            Observation(ObservationKind.HEALTH, now, outcome="refused"),
-            Observation(ObservationKind.PROCESS, now, process=engine, outcome="exited"),
-            Observation(ObservationKind.PROCESS, now + 0.2, process=ROOT, outcome="exited"),
+            Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.REFUSED),
+            Observation(ObservationKind.PROCESS, now, process=engine, outcome=ProcessStatus.EXITED),
+            Observation(
+                ObservationKind.PROCESS, now + 0.2, process=ROOT, outcome=ProcessStatus.EXITED
+            ),
         ]
     )
     exit_ = detector.evaluate(now + 0.5).target_exit
@@ -690,7 +774,7 @@ def test_stage_replicas_beyond_the_topology_are_bounded() -> None:
             process=process(
                 1000 + n, StageRef(n % 500, n // 500), ProcessRole.ENGINE, ProcessStatus.SLEEPING
             ),
-            outcome="sleeping",
+            outcome=ProcessStatus.SLEEPING,
         )
         for n in range(5000)
     )
@@ -705,7 +789,7 @@ def test_processes_per_stage_are_bounded() -> None:
             ObservationKind.PROCESS,
             1.0,
             process=process(1000 + n, S0, ProcessRole.WORKER, ProcessStatus.SLEEPING),
-            outcome="sleeping",
+            outcome=ProcessStatus.SLEEPING,
         )
         for n in range(5 * MAX_PROCESSES_PER_STAGE)
     )

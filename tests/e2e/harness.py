@@ -48,11 +48,11 @@ RECOVERED = {
 
 
 async def warmed_up(watchdog: Any) -> None:
-    await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 30)
+    await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 30)
 
 
 def state(watchdog: Any, stage: StageRef) -> StageState | None:
-    report = watchdog.last_report
+    report = watchdog.state.report
     return next((s.state for s in report.statuses if s.stage == stage), None) if report else None
 
 

@@ -22,6 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from omni_watchdog.demo import SimProcess, attached, example_config, free_port, wait_for
 from omni_watchdog.process_start import sender_attributes
+from omni_watchdog.semconv import HEARTBEAT_SPAN, PROCESS_PID, STAGE_ID
 from omni_watchdog.types import IncidentOutcome, StageState
 
 pytestmark = pytest.mark.e2e
@@ -106,7 +107,7 @@ def test_a_crashed_server_is_recorded_and_its_successor_attached(tmp_path: Path)
                 await warmed_up(watchdog)
                 await wait_for(
                     lambda: all(
-                        s.state is StageState.HEALTHY for s in watchdog.last_report.statuses
+                        s.state is StageState.HEALTHY for s in watchdog.state.report.statuses
                     ),
                     20,
                 )
@@ -119,7 +120,7 @@ def test_a_crashed_server_is_recorded_and_its_successor_attached(tmp_path: Path)
 
 def otlp_bodies(pid: int) -> tuple[bytes, bytes]:
     """One heartbeat of stage 0 from process `pid`, as OTLP protobuf and as OTLP JSON."""
-    resource = {"process.pid": pid, **sender_attributes(pid)}
+    resource = {PROCESS_PID: pid, **sender_attributes(pid)}
     attributes = [
         {
             "key": key,
@@ -127,11 +128,11 @@ def otlp_bodies(pid: int) -> tuple[bytes, bytes]:
         }
         for key, value in resource.items()
     ]
-    span = {
+    span: dict[str, Any] = {
         "traceId": "0af7651916cd43dd8448eb211c80319c",
         "spanId": "b7ad6b7169203331",
-        "name": "omni.stage.loop",
-        "attributes": [{"key": "omni.stage.id", "value": {"intValue": "0"}}],
+        "name": HEARTBEAT_SPAN,
+        "attributes": [{"key": STAGE_ID, "value": {"intValue": "0"}}],
     }
     document = {
         "resourceSpans": [
@@ -147,11 +148,11 @@ def otlp_bodies(pid: int) -> tuple[bytes, bytes]:
         else:
             kv.value.string_value = value
     proto_span = resource_spans.scope_spans.add().spans.add(
-        name="omni.stage.loop",
+        name=HEARTBEAT_SPAN,
         trace_id=bytes.fromhex(span["traceId"]),
         span_id=bytes.fromhex(span["spanId"]),
     )
-    proto_span.attributes.add(key="omni.stage.id").value.int_value = 0
+    proto_span.attributes.add(key=STAGE_ID).value.int_value = 0
     return request.SerializeToString(), json.dumps(document).encode()
 
 
@@ -219,8 +220,14 @@ def test_run_serves_otlp_as_a_collector_does(tmp_path: Path) -> None:
             b"Authorization: Bearer \xff\xfe\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
         )
         assert malformed == b"HTTP/1.1 401 Unauthorized"
-        with urllib.request.urlopen(f"http://127.0.0.1:{api}/metrics", timeout=5) as response:
-            text = response.read().decode()
+        # /metrics shows the state of the last evaluation, a fraction of a second behind.
+        deadline = time.monotonic() + 5
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{api}/metrics", timeout=5) as response:
+                text = response.read().decode()
+            if metric(text, "omni_watchdog_spans_received_total") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert metric(text, "omni_watchdog_spans_received_total") == 2
         assert metric(text, 'omni_watchdog_spans_rejected_total{reason="decode_error"}') == 1
         assert metric(text, 'omni_watchdog_spans_rejected_total{reason="unauthorized"}') == 3

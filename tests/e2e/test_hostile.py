@@ -29,9 +29,19 @@ from omni_watchdog.demo import (
     free_port,
     wait_for,
 )
-from omni_watchdog.exporters.api import target_health
+from omni_watchdog.exporters.views import target_health
+from omni_watchdog.factory import build_watchdog
 from omni_watchdog.policy.incidents import TargetLock, lock_dir_for
 from omni_watchdog.process_start import sender_attributes, start_time
+from omni_watchdog.semconv import (
+    HEARTBEAT_SPAN,
+    PROCESS_PID,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    STAGE_ID,
+    STAGE_REQUEST_SPAN,
+)
 from omni_watchdog.types import IncidentOutcome, Mode, ProcessIdentity, StageRef, StageState
 
 pytestmark = pytest.mark.e2e
@@ -54,9 +64,7 @@ def forged_body(sender: Mapping[str, object], stages: list[int], serial: int) ->
     )
     spans = resource_spans.scope_spans.add().spans
     for index, stage in enumerate(stages):
-        for offset, name in enumerate(
-            ("omni.stage.loop", "omni.stage.request", "omni.request.admitted")
-        ):
+        for offset, name in enumerate((HEARTBEAT_SPAN, STAGE_REQUEST_SPAN, REQUEST_ADMITTED_SPAN)):
             number = serial * 100_000 + index * 3 + offset + 1
             span = spans.add(
                 name=name,
@@ -65,12 +73,12 @@ def forged_body(sender: Mapping[str, object], stages: list[int], serial: int) ->
             )
             span.attributes.extend(
                 [
-                    KeyValue(key="omni.stage.id", value=_value(stage)),
-                    KeyValue(key="omni.request.id", value=_value(f"forged-{number}")),
+                    KeyValue(key=STAGE_ID, value=_value(stage)),
+                    KeyValue(key=REQUEST_ID, value=_value(f"forged-{number}")),
                 ]
             )
-            if name == "omni.request.admitted":
-                path = KeyValue(key="omni.request.stage_path")
+            if name == REQUEST_ADMITTED_SPAN:
+                path = KeyValue(key=REQUEST_STAGE_PATH)
                 path.value.array_value.values.extend([_value(0), _value(1)])
                 span.attributes.append(path)
     return request.SerializeToString()
@@ -78,7 +86,7 @@ def forged_body(sender: Mapping[str, object], stages: list[int], serial: int) ->
 
 def outsider() -> dict[str, object]:
     """This test process: on the same host, outside the target's tree."""
-    return {"process.pid": os.getpid(), **sender_attributes(os.getpid())}
+    return {PROCESS_PID: os.getpid(), **sender_attributes(os.getpid())}
 
 
 async def forge(
@@ -133,7 +141,7 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
             stop.set()
             assert min(await asyncio.gather(*forgers)) > 10
             assert watchdog.policy.incidents() == []
-            assert target_health(watchdog)[0] == 200
+            assert target_health(watchdog.state)[0] == 200
             rejected = watchdog.receiver.stats.spans_rejected
             assert rejected["unknown_sender"] > 0 and rejected["unknown_stage"] > 0
             assert watchdog.detector.in_flight(0) == 0
@@ -163,7 +171,7 @@ def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: st
                 sender = outsider()
             else:
                 engine = next(p for p in watchdog.tracker.live() if p.stage == S0)
-                sender = {"process.pid": engine.pid, **sender_attributes(engine.pid)}
+                sender = {PROCESS_PID: engine.pid, **sender_attributes(engine.pid)}
             stop = asyncio.Event()
             forging = asyncio.create_task(forge(traces_url(watchdog), sender, [0], stop))
             await asyncio.sleep(1)
@@ -228,7 +236,7 @@ async def watchdog_for(
     config = demo_config(
         workdir, server.url, example_config(generation), "enforce", merge_layers(layers, overrides)
     )
-    watchdog = Watchdog(config, SystemClock())
+    watchdog = await build_watchdog(config, clock=SystemClock())
     await watchdog.start()
     return watchdog
 
@@ -258,7 +266,7 @@ def test_a_server_broken_before_the_watchdog_came_gets_its_incident(tmp_path: Pa
             break_stage_one,
         ) as (watchdog, _):
             incident = await incident_done(watchdog, 60)
-            assert watchdog.last_report is not None
+            assert watchdog.state.report is not None
             assert [v.stage for v in incident.verdicts] == [S0], incident.cause
             assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN, incident.steps
 
@@ -288,8 +296,17 @@ def test_a_full_disk_never_holds_the_ladder_back(tmp_path: Path) -> None:
             in_background(server.url)
             incident = await incident_done(watchdog, 60)
             assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN, incident.steps
-            assert watchdog.write_errors.total >= len(incident.steps)
-            assert "No space left" in watchdog.write_errors.last
+            # The state after the incident closed carries every failed write.
+            health = await wait_for(
+                lambda: (
+                    watchdog.state.self_health
+                    if watchdog.state.remediation.open_incident is None
+                    and watchdog.state.self_health.state_write_errors >= len(incident.steps)
+                    else None
+                ),
+                5,
+            )
+            assert "No space left" in health.last_state_write_error
             url = f"http://127.0.0.1:{watchdog.api_port}"
             recovered = 'omni_watchdog_incidents_total{outcome="recovered_by_shutdown"} 1'
             # The exporter counts a closed incident at the next evaluation (every 0.25 s).
@@ -353,6 +370,11 @@ async def healthz(watchdog: Any) -> int:
         return response.status
 
 
+def evaluation_age(watchdog: Watchdog) -> float:
+    last = watchdog.state.self_health.last_evaluation
+    return float("inf") if last is None else watchdog.clock.monotonic() - last
+
+
 def test_loops_survive_their_errors_and_healthz_tells_when_judging_stops(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -378,22 +400,22 @@ def test_loops_survive_their_errors_and_healthz_tells_when_judging_stops(
             detector.evaluate, detector.observe = flaky_evaluate, broken_observe
             await wait_for(
                 lambda: (
-                    watchdog.internal_errors["evaluate"] == 3
-                    and watchdog.internal_errors["ingest"] >= 3
+                    watchdog.state.self_health.internal_errors["evaluate"] == 3
+                    and watchdog.state.self_health.internal_errors["ingest"] >= 3
                 ),
                 10,
             )
             detector.observe = observe
-            judged = watchdog.last_evaluation
+            judged = watchdog.state.self_health.last_evaluation or 0.0
             # Every loop went on: judging resumes, and the watchdog says it is fine.
-            await wait_for(lambda: watchdog.last_evaluation > judged, 5)
+            await wait_for(lambda: (watchdog.state.self_health.last_evaluation or 0.0) > judged, 5)
             assert await healthz(watchdog) == 200
 
             def stuck(now: float) -> Any:
                 raise RuntimeError("judging is broken for good")
 
             detector.evaluate = stuck
-            await wait_for(lambda: watchdog.evaluation_age() > 5.5, 10)
+            await wait_for(lambda: evaluation_age(watchdog) > 5.5, 10)
             assert await healthz(watchdog) == 503
             url = f"http://127.0.0.1:{watchdog.api_port}/metrics"
             async with aiohttp.ClientSession() as session, session.get(url) as response:
@@ -409,7 +431,8 @@ def test_loops_survive_their_errors_and_healthz_tells_when_judging_stops(
         asyncio.run(scenario())
     logged = [r for r in caplog.records if r.getMessage() == "internal_error"]
     # Each distinct error once, with its traceback; repeats are only counted.
-    assert [r.fields["error"] for r in logged].count("RuntimeError('a bug in judging')") == 1
+    errors = [r.__dict__["fields"]["error"] for r in logged]
+    assert errors.count("RuntimeError('a bug in judging')") == 1
     assert all(r.exc_info for r in logged)
 
 

@@ -11,6 +11,12 @@ import pytest
 from e2e.harness import FAST, SIM_ENV
 
 from omni_watchdog.demo import attached, send_request, wait_for
+from omni_watchdog.semconv import (
+    HEARTBEAT_SPAN,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_STAGE_PATH,
+    STAGE_REQUEST_SPAN,
+)
 from omni_watchdog.types import StageRef
 
 pytestmark = pytest.mark.e2e
@@ -26,18 +32,18 @@ def test_report_request_produces_admitted_stage_and_heartbeat_spans(tmp_path: Pa
         async with attached(tmp_path, [], "0.11", "observe", FAST, None, SIM_ENV) as (wd, srv):
             await wait_for(lambda: all(wd.detector.last_heartbeat(s) for s in STAGES), 30)
             await send_request(srv.url)
-            await wait_for(lambda: all("omni.stage.request" in names(wd, s) for s in STAGES), 10)
+            await wait_for(lambda: all(STAGE_REQUEST_SPAN in names(wd, s) for s in STAGES), 10)
             # The report's request and any canary: each went through all three stages.
-            admitted = [r for r in wd.store.recent(None) if r.name == "omni.request.admitted"]
+            admitted = [r for r in wd.store.recent(None) if r.name == REQUEST_ADMITTED_SPAN]
             assert admitted
             for span in admitted:
-                assert span.attributes["omni.request.stage_path"] == [0, 1, 2]
+                assert span.attributes[REQUEST_STAGE_PATH] == [0, 1, 2]
             for stage in STAGES:
-                spans = [r for r in wd.store.recent(stage) if r.name == "omni.stage.request"]
+                spans = [r for r in wd.store.recent(stage) if r.name == STAGE_REQUEST_SPAN]
                 done = {r.request_id for r in spans}
                 assert {a.request_id for a in admitted} <= done | {admitted[-1].request_id}
                 assert all(r.status != "error" and r.duration > 0 for r in spans)
-                assert "omni.stage.loop" in names(wd, stage)
+                assert HEARTBEAT_SPAN in names(wd, stage)
             # The resource names the process, so the watchdog maps pids to stages from spans.
             mapped = wd.store.pid_stages()
             stage_pids = {p.pid: p.stage for p in wd.tracker.live() if p.role.value == "stage"}

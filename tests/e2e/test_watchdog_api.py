@@ -39,7 +39,7 @@ def test_status_target_health_and_incidents(tmp_path: Path) -> None:
         async with attached(
             tmp_path, ["0:silent-stall"], "0.30", "observe", FAST, None, SIM_ENV
         ) as (watchdog, server):
-            await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 30)
+            await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 30)
             await asyncio.sleep(1)
             code, text = await get(watchdog, "/v1/target/health")
             assert code == 200, text
@@ -72,8 +72,10 @@ def test_status_target_health_and_incidents(tmp_path: Path) -> None:
             # A 0.30 stage's gauges freeze when it stalls: flat counters prove no queued work.
             assert {"heartbeat_lost", "canary_failed"} <= {e["kind"] for e in stage0["evidence"]}
 
+            # The API serves the state of the last evaluation: wait for the one after the close.
             incident = await wait_for(
-                lambda: next((i for i in watchdog.policy.incidents() if i.closed), None), 20
+                lambda: next((i for i in watchdog.state.remediation.incidents if i.closed), None),
+                20,
             )
             code, listing = await get(watchdog, "/v1/incidents")
             assert [i["incident_id"] for i in listing["incidents"]] == [incident.incident_id]
@@ -114,7 +116,7 @@ def test_plain_single_stage_server_without_the_plugin(tmp_path: Path) -> None:
             {**SIM_ENV, "OMNI_WATCHDOG_OTLP_ENDPOINT": ""},
             config,
         ) as (watchdog, server):
-            await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 30)
+            await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 30)
             asyncio.get_running_loop().create_task(send_request(server.url))
             incident = await wait_for(lambda: watchdog.policy.incidents(), 40)
             verdict = incident[0].verdicts[0]

@@ -28,7 +28,7 @@ from e2e.harness import (
 
 from omni_watchdog.config import ProbesConfig, merge_layers
 from omni_watchdog.demo import attached, wait_for
-from omni_watchdog.exporters.api import target_health
+from omni_watchdog.exporters.views import target_health
 from omni_watchdog.log import configure_logging
 from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
 
@@ -178,7 +178,7 @@ def test_orphaned_stages_are_cleaned_up(tmp_path: Path, generation: str) -> None
 def test_slow_but_alive_is_never_remediated(tmp_path: Path, generation: str) -> None:
     async def body(watchdog: Any, server: Any) -> None:
         await warmed_up(watchdog)
-        seen: set[StageState] = set()
+        seen: set[StageState | None] = set()
         deadline = asyncio.get_running_loop().time() + 20
         while asyncio.get_running_loop().time() < deadline:
             if len(asyncio.all_tasks()) < 6:
@@ -211,7 +211,7 @@ def test_a_client_that_goes_away_is_not_waited_for(tmp_path: Path, generation: s
         request.cancel()
         await wait_for(lambda: all(detector.in_flight(s) == 0 for s in (0, 1, 2)), 10)
         await wait_for(
-            lambda: all(s.state is StageState.HEALTHY for s in watchdog.last_report.statuses), 15
+            lambda: all(s.state is StageState.HEALTHY for s in watchdog.state.report.statuses), 15
         )
         assert not watchdog.policy.incidents()
 
@@ -233,8 +233,8 @@ def test_slow_startup_is_never_judged(tmp_path: Path, generation: str) -> None:
     async def body(watchdog: Any, server: Any) -> None:
         await wait_for(lambda: watchdog.tracker.target_alive, 15)
         for _ in range(40):
-            assert watchdog.last_report is None or not watchdog.last_report.verdicts
-            assert all(s.state is StageState.STARTING for s in watchdog.last_report.statuses)
+            assert watchdog.state.report is None or not watchdog.state.report.verdicts
+            assert all(s.state is StageState.STARTING for s in watchdog.state.report.statuses)
             await asyncio.sleep(0.25)
         assert not watchdog.policy.incidents()
         await warmed_up(watchdog)
@@ -260,7 +260,7 @@ def test_zombie_is_reported_not_remediated(tmp_path: Path, generation: str) -> N
         assert len(zombies) == 1
         await asyncio.sleep(3)
         assert not watchdog.policy.incidents()
-        assert all(s.state is StageState.HEALTHY for s in watchdog.last_report.statuses)
+        assert all(s.state is StageState.HEALTHY for s in watchdog.state.report.statuses)
 
     run(tmp_path, ["1:zombie"], generation, body, remediated=False)
 
@@ -318,14 +318,14 @@ def test_without_the_process_probe_the_admin_endpoint_ends_a_stall(tmp_path: Pat
             tmp_path, ["0:silent-stall"], "0.30", "enforce", NETWORK_ONLY, None, SIM_ENV
         ) as (watchdog, server):
             await warmed_up(watchdog)
-            up_before = watchdog.target_up
+            up_before = watchdog.target.up
             in_background(server.url)
             incident = await incident_done(watchdog)
-            status, _ = target_health(watchdog)
+            status, _ = target_health(watchdog.state)
             # Without a PID namespace of its own the simulated server's deadlocked stage
             # outlives its API, as it would not in a pod: the container's end takes it.
             # The test's own clean-up stops it.
-            return incident, up_before and not watchdog.target_up, status
+            return incident, up_before and not watchdog.target.up, status
 
     incident, up_then_down, health_status = asyncio.run(scenario())
     assert up_then_down, "with no process visible, /health answering is what 'up' means"

@@ -34,8 +34,8 @@ def test_status_shows_the_servers_stages_and_where_they_came_from(
             tmp_path, [], generation, "observe", no_stage_config, None, SIM_ENV
         ) as (watchdog, _):
             assert watchdog.config.stage_config == ""
-            await wait_for(lambda: watchdog.topology.origin is origin, 30)
-            await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 30)
+            await wait_for(lambda: watchdog.state.topology.origin is origin, 30)
+            await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 30)
             code, status = await get(watchdog, "/v1/status")
             assert code == 200
             topology = status["topology"]

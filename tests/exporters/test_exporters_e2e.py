@@ -16,12 +16,13 @@ from typing import Any
 import aiohttp
 import pytest
 from e2e.harness import FAST, SIM_ENV, in_background, incident_done, warmed_up
+from exporters.otlp_capture import CaptureServer, attributes
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_watchdog.demo import attached, wait_for
 from omni_watchdog.log import configure_logging
+from omni_watchdog.semconv import INCIDENT_ID, INCIDENT_SPAN, LADDER_STEP_SPAN_PREFIX
 from omni_watchdog.types import IncidentOutcome
-from tests.exporters.otlp_capture import CaptureServer, attributes
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +57,7 @@ def test_an_incident_shows_in_metrics_and_as_a_trace(tmp_path: Path) -> None:
                 _, before = await scrape(watchdog)
                 in_background(server.url)
                 incident = await incident_done(watchdog)
-                await wait_for(lambda: watchdog.stats.incidents, 5)
+                await wait_for(lambda: watchdog.state.counters.incidents, 5)
                 content_type, after = await scrape(watchdog)
                 await asyncio.to_thread(watchdog.traces.flush)
                 stage_name = watchdog.topology.stage(incident.verdicts[0].stage.stage_id).name
@@ -86,10 +87,10 @@ def test_an_incident_shows_in_metrics_and_as_a_trace(tmp_path: Path) -> None:
     assert verdicts >= 1
 
     spans = capture.spans()
-    root = next(s for s in spans if s.name == "omni.incident")
-    assert attributes(root)["omni.incident.id"] == incident.incident_id
+    root = next(s for s in spans if s.name == INCIDENT_SPAN)
+    assert attributes(root)[INCIDENT_ID] == incident.incident_id
     steps = [s.name for s in spans if s.parent_span_id == root.span_id]
-    assert steps == [f"omni.ladder.{s.step.value}" for s in incident.steps]
+    assert steps == [LADDER_STEP_SPAN_PREFIX + s.step.value for s in incident.steps]
 
     promtool = shutil.which("promtool")
     if promtool is None:

@@ -13,20 +13,22 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from exporters.watchdog_state import START, Scripted, scripted_incidents, scripted_state
+from fakes import FakePsutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_watchdog.config import ProbesConfig, WatchdogConfig
-from omni_watchdog.exporters.api import build_api
-from omni_watchdog.exporters.prometheus import (
-    CONTENT_TYPE,
-    FAMILY_NAMES,
-    Histogram,
-    MetricsExposition,
-    WatchdogStats,
-)
+from omni_watchdog.config import WatchdogConfig
+from omni_watchdog.exporters.api import JsonApi
+from omni_watchdog.exporters.prometheus import CONTENT_TYPE, FAMILY_NAMES
+from omni_watchdog.probes.processes import ProcessTracker
+from omni_watchdog.self_health import ProbeBoard
+from omni_watchdog.stats import Histogram, WatchdogStats
+from omni_watchdog.target import TargetWatch
 from omni_watchdog.types import (
     Evidence,
     EvidenceKind,
@@ -39,12 +41,6 @@ from omni_watchdog.types import (
     StepName,
     StepOutcome,
     Verdict,
-)
-from tests.exporters.watchdog_state import (
-    START,
-    FakeWatchdog,
-    fake_watchdog,
-    scripted_incidents,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
@@ -60,12 +56,8 @@ def masked(text: str) -> str:
 
 
 @pytest.fixture
-def watchdog() -> FakeWatchdog:
-    return fake_watchdog()
-
-
-def rendered(watchdog: FakeWatchdog) -> str:
-    return watchdog.exposition.render().decode()
+def scripted() -> Scripted:
+    return scripted_state()
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -76,21 +68,21 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def test_metrics_match_the_golden_file(watchdog: FakeWatchdog) -> None:
-    text = masked(rendered(watchdog))
+def test_metrics_match_the_golden_file(scripted: Scripted) -> None:
+    text = masked(scripted.rendered())
     if UPDATE_GOLDEN:
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text(), "set OMNI_WATCHDOG_UPDATE_GOLDEN=1 to rewrite"
 
 
-def test_promtool_check_metrics_is_clean(watchdog: FakeWatchdog) -> None:
+def test_promtool_check_metrics_is_clean(scripted: Scripted) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (Debian package 'prometheus'); metrics not linted")
     result = subprocess.run(
         [promtool, "check", "metrics"],
-        input=rendered(watchdog),
+        input=scripted.rendered(),
         capture_output=True,
         text=True,
         timeout=30,
@@ -99,8 +91,8 @@ def test_promtool_check_metrics_is_clean(watchdog: FakeWatchdog) -> None:
     assert result.stdout.strip() == "" and result.stderr.strip() == ""
 
 
-def test_every_family_of_the_contract_is_present(watchdog: FakeWatchdog) -> None:
-    names = {family.name for family in text_string_to_metric_families(rendered(watchdog))}
+def test_every_family_of_the_contract_is_present(scripted: Scripted) -> None:
+    names = {family.name for family in text_string_to_metric_families(scripted.rendered())}
     # The parser names counters without their _total suffix.
     expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
     assert names == expected
@@ -111,8 +103,8 @@ def test_content_type_is_the_text_format() -> None:
     assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
 
 
-def test_state_shows_the_scripted_story(watchdog: FakeWatchdog) -> None:
-    found = samples(rendered(watchdog))
+def test_state_shows_the_scripted_story(scripted: Scripted) -> None:
+    found = samples(scripted.rendered())
 
     def value(name: str, **labels: str) -> float:
         return found[("omni_watchdog_" + name, tuple(sorted(labels.items())))]
@@ -149,13 +141,20 @@ def test_state_shows_the_scripted_story(watchdog: FakeWatchdog) -> None:
 
 
 def test_every_series_exists_before_anything_happened() -> None:
-    watchdog = fake_watchdog()
-    watchdog.stats = WatchdogStats()
-    watchdog.last_report = None
-    watchdog.last_health = None
-    watchdog.probe_health = {}
-    watchdog.exposition = MetricsExposition(watchdog, watchdog.stats)  # type: ignore[arg-type]
-    found = samples(rendered(watchdog))
+    scripted = scripted_state()
+    state = scripted.state
+    probes = ProbeBoard(WatchdogConfig().probes.enabled)
+    probes.failed("gpu", "no NVML backend (gpu_backend none)")
+    nothing = dataclasses.replace(
+        state,
+        target=dataclasses.replace(state.target, health=None),
+        report=None,
+        gpu=None,
+        probes=probes.snapshot(),
+        counters=WatchdogStats().counters(),
+    )
+    scripted = Scripted(nothing, scripted.clock)
+    found = samples(scripted.rendered())
     names = {name for name, _ in found}
     assert names >= {"omni_watchdog_verdicts_total", "omni_watchdog_ladder_steps_total"}
     refs = [labels for name, labels in found if name == "omni_watchdog_stage_state"]
@@ -189,8 +188,9 @@ def test_histogram_buckets_are_inclusive_and_cumulative() -> None:
     histogram = Histogram((1.0, 2.0))
     for value in (0.5, 1.0, 1.5, 3.0):
         histogram.observe(value)
-    assert histogram.counts == [2, 1, 1]
-    assert histogram.total == 6.0
+    frozen = histogram.frozen()
+    assert frozen.counts == (2, 1, 1)
+    assert frozen.total == 6.0
 
 
 def test_a_closed_incident_is_counted_once_and_journal_ones_never() -> None:
@@ -199,8 +199,9 @@ def test_a_closed_incident_is_counted_once_and_journal_ones_never() -> None:
     stats.ignore_closed([old])
     assert stats.count_incidents([old, new, still_open]) == [new]
     assert stats.count_incidents([old, new, still_open]) == []
-    assert sum(stats.incidents.values()) == 1
-    assert sum(stats.ladder_steps.values()) == len(new.steps)
+    counters = stats.counters()
+    assert sum(counters.incidents.values()) == 1
+    assert sum(counters.ladder_steps.values()) == len(new.steps)
 
 
 def test_each_ladder_step_is_counted_as_it_ends_not_when_the_incident_closes() -> None:
@@ -210,19 +211,19 @@ def test_each_ladder_step_is_counted_as_it_ends_not_when_the_incident_closes() -
     running = dataclasses.replace(finished, steps=(capture,), outcome=IncidentOutcome.OPEN)
     running = dataclasses.replace(running, closed=None)
     assert stats.count_incidents([running]) == []
-    assert stats.ladder_steps == {(StepName.CAPTURE, StepOutcome.OK): 1}
-    assert stats.step_durations[StepName.CAPTURE].total == capture.duration
+    assert stats.counters().ladder_steps == {(StepName.CAPTURE, StepOutcome.OK): 1}
+    assert stats.counters().step_durations[StepName.CAPTURE].total == capture.duration
     running = dataclasses.replace(running, steps=(capture, shutdown, terminate))
     stats.count_incidents([running])
-    assert stats.ladder_steps == {
+    assert stats.counters().ladder_steps == {
         (StepName.CAPTURE, StepOutcome.OK): 1,
         (StepName.SHUTDOWN, StepOutcome.UNREACHABLE): 1,
         (StepName.TERMINATE, StepOutcome.RECOVERED): 1,
     }
-    assert stats.incidents == {}
+    assert stats.counters().incidents == {}
     assert stats.count_incidents([finished]) == [finished]
-    assert sum(stats.ladder_steps.values()) == 4
-    assert stats.incidents == {IncidentOutcome.RECOVERED_BY_TERM: 1}
+    assert sum(stats.counters().ladder_steps.values()) == 4
+    assert stats.counters().incidents == {IncidentOutcome.RECOVERED_BY_TERM: 1}
 
 
 def test_verdicts_count_each_kind_of_evidence_once() -> None:
@@ -234,31 +235,16 @@ def test_verdicts_count_each_kind_of_evidence_once() -> None:
         Evidence(EvidenceKind.PROCESS_EXIT, ref, 2.0, "c"),
     )
     stats.count_verdicts([Verdict(ref, StageState.DEAD, 3.0, evidence)])
-    assert stats.verdicts == {
+    assert stats.counters().verdicts == {
         (2, StageState.DEAD, EvidenceKind.SPAN_OVERDUE): 1,
         (2, StageState.DEAD, EvidenceKind.PROCESS_EXIT): 1,
     }
 
 
-def test_a_gpu_run_replaces_the_previous_reading() -> None:
-    stats = WatchdogStats()
-    first = [
-        Observation(ObservationKind.GPU_DEVICE, 1.0, gpu=0, value=10.0, utilization=0.5),
-        Observation(ObservationKind.GPU_PROCESS, 1.0, gpu=0, pid=7, value=10.0),
-    ]
-    second = [Observation(ObservationKind.GPU_DEVICE, 2.0, gpu=1, value=0.0, utilization=None)]
-    stats.observe(first)
-    stats.observe([Observation(ObservationKind.HEARTBEAT, 1.5, stage=StageRef(0))])
-    assert len(stats.gpu_processes) == 1
-    stats.observe(second)
-    assert stats.gpu_devices == {1: (0.0, None)}
-    assert stats.gpu_processes == []
-
-
-def test_the_api_serves_metrics_in_the_text_format(watchdog: FakeWatchdog) -> None:
+def test_the_api_serves_metrics_in_the_text_format(scripted: Scripted) -> None:
     async def scrape() -> tuple[int, str, str]:
-        app = build_api(watchdog)  # type: ignore[arg-type]
-        async with TestClient(TestServer(app)) as client:
+        api = JsonApi(scripted.clock, scripted.state, scripted.exposition(), lambda _: [])
+        async with TestClient(TestServer(api.app())) as client:
             response = await client.get("/metrics")
             return response.status, response.headers["Content-Type"], await response.text()
 
@@ -288,10 +274,20 @@ NETWORK_ONLY = ["spans", "metrics", "health", "canary"]
 def test_target_up_is_the_root_process_or_without_the_process_probe_health(
     probes: list[str], root_alive: bool, health: HealthOutcome | None, up: int
 ) -> None:
-    watchdog = fake_watchdog()
-    watchdog.config = WatchdogConfig(probes=ProbesConfig(enabled=probes))
-    watchdog.tracker.target_alive = root_alive
-    watchdog.last_health = (
-        None if health is None else Observation(ObservationKind.HEALTH, START, outcome=health.value)
+    tracker = cast(ProcessTracker, SimpleNamespace(target_alive=root_alive))
+    target = TargetWatch(
+        "http://127.0.0.1:8000",
+        tracker,
+        None,
+        FakePsutil(),
+        lambda pid: 0.0,
+        by_process="processes" in probes,
+        on_gpu_failure=lambda reason: None,
     )
-    assert samples(rendered(watchdog))[("omni_watchdog_target_up", ())] == up
+    if health is not None:
+        target.observe([Observation(ObservationKind.HEALTH, START, outcome=health)])
+    assert target.up is bool(up)
+    scripted = scripted_state()
+    view = dataclasses.replace(scripted.state.target, up=target.up, by_process=target.by_process)
+    shown = Scripted(dataclasses.replace(scripted.state, target=view), scripted.clock)
+    assert samples(shown.rendered())[("omni_watchdog_target_up", ())] == up

@@ -9,8 +9,26 @@ import socket
 import time
 
 import pytest
+from exporters.otlp_capture import CaptureServer, attributes
+from exporters.watchdog_state import scripted_state
 
 from omni_watchdog.exporters.traces import IncidentTraces
+from omni_watchdog.semconv import (
+    INCIDENT_CAUSE,
+    INCIDENT_EVIDENCE,
+    INCIDENT_ID,
+    INCIDENT_MODE,
+    INCIDENT_OUTCOME,
+    INCIDENT_SPAN,
+    INCIDENT_STAGES,
+    INCIDENT_TARGET,
+    LADDER_DETAIL,
+    LADDER_OUTCOME,
+    LADDER_STEP,
+    LADDER_STEP_SPAN_PREFIX,
+    LADDER_TARGETS,
+    SERVICE_NAME,
+)
 from omni_watchdog.types import (
     Evidence,
     EvidenceKind,
@@ -24,21 +42,23 @@ from omni_watchdog.types import (
     StepResult,
     Verdict,
 )
-from tests.exporters.otlp_capture import CaptureServer, attributes
 
 OPENED = 1_700_000_015.0
 
 
 def captured(*incidents: Incident) -> CaptureServer:
-    """Export the incidents to a fresh capture server and wait until they arrived."""
+    """Export a state in which the incidents just closed to a fresh capture server, and
+    wait until they arrived."""
+    state = scripted_state().state
+    remediation = dataclasses.replace(state.remediation, closed_now=incidents)
+    closing = dataclasses.replace(state, remediation=remediation)
 
     async def scenario() -> CaptureServer:
         server = CaptureServer()
         await server.start()
         traces = IncidentTraces(server.url)
         try:
-            for one in incidents:
-                traces.export(one)
+            traces.export(closing)
             assert await asyncio.to_thread(traces.flush)
         finally:
             await asyncio.to_thread(traces.shutdown)
@@ -87,25 +107,22 @@ def test_an_incident_is_one_trace_with_a_child_per_step() -> None:
     capture = captured(incident())
     assert capture.content_types == ["application/x-protobuf"]
     resource = capture.requests[0].resource_spans[0].resource
-    assert attributes(resource)["service.name"] == "omni-watchdog"
+    assert attributes(resource)[SERVICE_NAME] == "omni-watchdog"
     spans = capture.spans()
-    assert [s.name for s in spans].count("omni.incident") == 1
-    root = next(s for s in spans if s.name == "omni.incident")
+    assert [s.name for s in spans].count(INCIDENT_SPAN) == 1
+    root = next(s for s in spans if s.name == INCIDENT_SPAN)
     children = [s for s in spans if s is not root]
     assert [s.name for s in children] == [
-        "omni.ladder.capture",
-        "omni.ladder.terminate",
-        "omni.ladder.kill",
-        "omni.ladder.verify",
+        LADDER_STEP_SPAN_PREFIX + step for step in ("capture", "terminate", "kill", "verify")
     ]
     assert attributes(root) == {
-        "omni.incident.id": "20231114T221335Z-a1b2c3",
-        "omni.incident.target": "http://127.0.0.1:8000",
-        "omni.incident.cause": "stage 1.0 stalled",
-        "omni.incident.mode": "enforce",
-        "omni.incident.outcome": "leaked",
-        "omni.incident.stages": ["1.0"],
-        "omni.incident.evidence": ["heartbeat_lost", "span_overdue"],
+        INCIDENT_ID: "20231114T221335Z-a1b2c3",
+        INCIDENT_TARGET: "http://127.0.0.1:8000",
+        INCIDENT_CAUSE: "stage 1.0 stalled",
+        INCIDENT_MODE: "enforce",
+        INCIDENT_OUTCOME: "leaked",
+        INCIDENT_STAGES: ["1.0"],
+        INCIDENT_EVIDENCE: ["heartbeat_lost", "span_overdue"],
     }
     assert root.status.code == 2  # STATUS_CODE_ERROR: a leak needs a person
     assert root.start_time_unix_nano == int(OPENED * 1e9)
@@ -115,10 +132,10 @@ def test_an_incident_is_one_trace_with_a_child_per_step() -> None:
         assert child.parent_span_id == root.span_id
     kill = attributes(children[2])
     assert kill == {
-        "omni.ladder.step": "kill",
-        "omni.ladder.outcome": "recovered",
-        "omni.ladder.detail": "",
-        "omni.ladder.targets": [100, 101],
+        LADDER_STEP: "kill",
+        LADDER_OUTCOME: "recovered",
+        LADDER_DETAIL: "",
+        LADDER_TARGETS: [100, 101],
     }
     assert children[2].start_time_unix_nano == int((OPENED + 3.75) * 1e9)
     assert children[2].end_time_unix_nano == int((OPENED + 4.25) * 1e9)
@@ -129,7 +146,7 @@ def test_an_incident_is_one_trace_with_a_child_per_step() -> None:
 def test_two_incidents_are_two_traces() -> None:
     first = incident()
     capture = captured(first, dataclasses.replace(first, incident_id="second", steps=()))
-    roots = [s for s in capture.spans() if s.name == "omni.incident"]
+    roots = [s for s in capture.spans() if s.name == INCIDENT_SPAN]
     assert len({s.trace_id for s in roots}) == 2
     assert all(not s.parent_span_id for s in roots)
 
@@ -138,7 +155,7 @@ def test_an_unreachable_endpoint_never_blocks_nor_raises() -> None:
     traces = IncidentTraces(f"http://127.0.0.1:{free_port()}/v1/traces", timeout=0.5)
     try:
         begun = time.monotonic()
-        traces.export(incident())
+        traces.export_incident(incident())
         assert time.monotonic() - begun < 0.1
     finally:
         begun = time.monotonic()
@@ -155,7 +172,7 @@ def test_an_incident_that_cannot_be_traced_is_logged_not_raised(
         incident(), steps=(StepResult(StepName.CAPTURE, StepOutcome.OK, math.nan, 1.0),)
     )
     try:
-        traces.export(broken)
+        traces.export_incident(broken)
     finally:
         traces.shutdown()
     assert any(r.getMessage() == "incident_trace_failed" for r in caplog.records)

@@ -1,41 +1,50 @@
-"""A watchdog's state built from fakes and a fake clock, for the exposition tests and benchmark.
+"""A watchdog's state built from a scripted story and a fake clock, for the exposition
+tests and the scrape benchmark.
 
-The detector is the real one, fed a scripted story: every stage warms up and beats, then
-stage 1 falls silent with requests waiting for it (stalled, with a verdict), the first
-stage's second replica never shows a sign (unknown, heartbeat age NaN). The tracker,
-receiver and policy are small fakes with the attributes the exposition reads; GPU readings
-and incidents reach the stats the way the app feeds them.
+The detector and the stats are the real ones, fed the story: every stage warms up and
+beats, then stage 1 falls silent with requests waiting for it (stalled, with a verdict),
+the first stage's second replica never shows a sign (unknown, heartbeat age NaN). The
+processes, GPU reading, receiver counters and incidents are written out as a state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from omni_watchdog.app import INTERNAL_ERROR_LOOPS, ProbeHealth, Watchdog
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import WatchdogConfig
-from omni_watchdog.detector import Detector, DetectorReport
-from omni_watchdog.exporters.prometheus import MetricsExposition, WatchdogStats
-from omni_watchdog.policy.core import LockStatus
-from omni_watchdog.policy.incidents import StateWriteErrors
-from omni_watchdog.probes.spans import REJECTION_REASONS, RESPONSE_STATUSES, ReceiverStats
-from omni_watchdog.serving import Listener
+from omni_watchdog.detector import Detector
+from omni_watchdog.exporters.prometheus import MetricsExposition
+from omni_watchdog.probes.gpu import observations_of
+from omni_watchdog.probes.spans import REJECTION_REASONS, RESPONSE_STATUSES
+from omni_watchdog.stats import WatchdogStats
 from omni_watchdog.types import (
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
     HealthOutcome,
     Incident,
     IncidentOutcome,
+    LockStatus,
     Mode,
     Observation,
     ObservationKind,
+    ProbeHealth,
     ProcessInfo,
     ProcessRole,
     ProcessStatus,
+    ReceiverStats,
+    RemediationView,
+    SelfHealth,
+    SpanOutcome,
     Stage,
     StageRef,
     StepName,
     StepOutcome,
     StepResult,
+    TargetView,
     Topology,
+    WatchdogState,
 )
 
 START = 1000.0
@@ -46,68 +55,18 @@ STALLED_STAGE = 1
 GIB = 2**30
 
 
-@dataclass
-class FakeTracker:
-    """The process tracker's query side over a fixed list of processes."""
+@dataclass(frozen=True)
+class Scripted:
+    """The scripted state, the clock it was made at, and an exposition over both."""
 
-    processes: list[ProcessInfo]
-    target_alive: bool = True
-
-    def live(self) -> tuple[ProcessInfo, ...]:
-        return tuple(p for p in self.processes if p.status is not ProcessStatus.EXITED)
-
-    def recorded(self) -> tuple[ProcessInfo, ...]:
-        return tuple(self.processes)
-
-
-@dataclass
-class FakeReceiver:
-    stats: ReceiverStats
-
-
-@dataclass
-class FakePolicy:
-    busy: bool = False
-    remaining: int = 2
-    budget_exhausted_total: int = 1
-    lock_conflict: str = "held by another watchdog (pid 7)"
-
-    def budget_remaining(self) -> int:
-        return self.remaining
-
-    def lock_status(self) -> LockStatus:
-        return LockStatus(False, self.lock_conflict, None)
-
-
-@dataclass
-class FakeWatchdog:
-    """The attributes of `omni_watchdog.app.Watchdog` that the exporters read."""
-
-    config: WatchdogConfig
+    state: WatchdogState
     clock: FakeClock
-    topology: Topology
-    detector: Detector
-    tracker: FakeTracker
-    receiver: FakeReceiver
-    policy: FakePolicy
-    stats: WatchdogStats
-    probe_health: dict[str, ProbeHealth] = field(default_factory=dict)
-    last_report: DetectorReport | None = None
-    last_health: Observation | None = None
-    internal_errors: dict[str, int] = field(
-        default_factory=lambda: {**dict.fromkeys(INTERNAL_ERROR_LOOPS, 0), "ingest": 1}
-    )
-    listeners: dict[str, Listener] = field(default_factory=dict)
-    write_errors: StateWriteErrors = field(default_factory=StateWriteErrors)
-    exposition: MetricsExposition = field(init=False)
-    # The real rule, over the fakes above.
-    target_up = Watchdog.target_up
 
-    def __post_init__(self) -> None:
-        self.exposition = MetricsExposition(self, self.stats)  # type: ignore[arg-type]
+    def exposition(self) -> MetricsExposition:
+        return MetricsExposition(self.clock, self.state)
 
-    def evaluation_age(self) -> float:
-        return 0.25
+    def rendered(self) -> str:
+        return self.exposition().render().decode()
 
 
 def chain_topology(stages: int, first_replicas: int) -> Topology:
@@ -160,36 +119,28 @@ def _processes(topology: Topology, pids_per_replica: int) -> list[ProcessInfo]:
     return processes
 
 
-def _gpu_run(
+def _gpu_reading(
     processes: list[ProcessInfo], gpus: int, now: float, silent: StageRef
-) -> list[Observation]:
+) -> GpuReading:
     """One GPU probe run: each stage replica's processes on the device of its stage."""
-    held: dict[int, list[tuple[int, float, StageRef | None]]] = {g: [] for g in range(gpus)}
+    held: dict[int, list[GpuProcess]] = {g: [] for g in range(gpus)}
     for process in processes:
         if process.stage is not None and process.status is ProcessStatus.RUNNING:
             used = float((1 + process.pid % 7) * GIB)
-            held[process.stage.stage_id % gpus].append((process.pid, used, process.stage))
-    held[0].append((UNMAPPED_PID, float(GIB // 2), None))
-    run: list[Observation] = []
-    for gpu, pids in held.items():
-        # Only the silent stage's device idles; one device reports no utilization at all.
-        utilization = (
-            None if gpu == gpus - 1 and gpus > 2 else 0.0 if gpu == silent.stage_id else 0.5
+            gpu = process.stage.stage_id % gpus
+            held[gpu].append(GpuProcess(gpu, process.pid, used, process.stage))
+    held[0].append(GpuProcess(0, UNMAPPED_PID, float(GIB // 2), None))
+    devices = tuple(
+        GpuDevice(
+            gpu,
+            sum(p.used_bytes for p in pids) + 256 * 2**20,
+            80.0 * GIB,
+            # Only the silent stage's device idles; one device reports no utilization.
+            None if gpu == gpus - 1 and gpus > 2 else 0.0 if gpu == silent.stage_id else 0.5,
         )
-        run.append(
-            Observation(
-                ObservationKind.GPU_DEVICE,
-                now,
-                gpu=gpu,
-                value=sum(used for _, used, _ in pids) + 256 * 2**20,
-                utilization=utilization,
-            )
-        )
-        run.extend(
-            Observation(ObservationKind.GPU_PROCESS, now, pid=pid, gpu=gpu, value=used, stage=stage)
-            for pid, used, stage in pids
-        )
-    return run
+        for gpu, pids in held.items()
+    )
+    return GpuReading(now, devices, tuple(p for pids in held.values() for p in pids))
 
 
 def scripted_incidents() -> list[Incident]:
@@ -234,13 +185,13 @@ def scripted_incidents() -> list[Incident]:
     return [enforced, planned, still_open]
 
 
-def fake_watchdog(
+def scripted_state(
     stages: int = 3,
     first_replicas: int = 2,
     gpus: int = 3,
     pids_per_replica: int = 2,
     requests: int = 6,
-) -> FakeWatchdog:
+) -> Scripted:
     """The scripted state; the defaults are small enough to read in a golden file."""
     config = WatchdogConfig()
     clock = FakeClock(START, WALL_OFFSET)
@@ -264,10 +215,10 @@ def fake_watchdog(
         ]
 
     now = clock.monotonic()
-    feed([Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK.value, value=0.01)])
+    feed([Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK, value=0.01)])
     feed(
         [
-            Observation(ObservationKind.PROCESS, now, process=p, outcome=p.status.value)
+            Observation(ObservationKind.PROCESS, now, process=p, outcome=p.status)
             for p in processes
             if p.stage != never_seen
         ]
@@ -298,7 +249,7 @@ def fake_watchdog(
                 stage=StageRef(0),
                 request_id=f"req-{n}",
                 value=0.02 * (n + 1),
-                outcome="ok",
+                outcome=SpanOutcome.OK,
             )
             for n in range(requests)
         ]
@@ -312,42 +263,61 @@ def fake_watchdog(
     )
 
     now = clock.advance(13.0)
-    feed([Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK.value, value=0.01)])
+    health = Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK, value=0.01)
+    feed([health])
     feed(beats(now, (never_seen, silent)))
-    feed(_gpu_run(processes, gpus, now, silent))
+    gpu = _gpu_reading(processes, gpus, now, silent)
+    feed(observations_of(gpu))
     report = detector.evaluate(now)
     stats.count_verdicts(first.verdicts)
     stats.count_verdicts(report.verdicts)
-    stats.count_incidents(scripted_incidents())
+    incidents = scripted_incidents()
+    stats.count_incidents(incidents)
 
     rejected = dict.fromkeys(REJECTION_REASONS, 0)
     rejected["decode_error"] = 2
-    receiver = FakeReceiver(
-        ReceiverStats(
+    probes = tuple(
+        ProbeHealth("canary", up=False, errors_total=3, last_error="timeout", last_duration=5.0)
+        if name == "canary"
+        else ProbeHealth(name, last_duration=0.004)
+        for name in sorted(config.probes.enabled)
+    )
+    state = WatchdogState(
+        made_at=now,
+        wall_at=clock.wall(),
+        target=TargetView(
+            url=config.target,
+            root=processes[0],
+            up=True,
+            by_process=True,
+            generation=1,
+            health=health,
+        ),
+        topology=topology,
+        report=report,
+        processes=tuple(processes),
+        gpu=gpu,
+        probes=probes,
+        receiver=ReceiverStats(
             spans_accepted=4321,
             spans_rejected=rejected,
             requests=dict.fromkeys(RESPONSE_STATUSES, 0),
-            forwarded=0,
-            forward_dropped=0,
-            queue_depth=0,
-        )
-    )
-    probe_health = {name: ProbeHealth(name, last_duration=0.004) for name in config.probes.enabled}
-    probe_health["canary"] = ProbeHealth(
-        "canary", up=False, errors_total=3, last_error="timeout", last_duration=5.0
-    )
-    return FakeWatchdog(
-        config=config,
-        clock=clock,
-        topology=topology,
-        detector=detector,
-        tracker=FakeTracker(processes),
-        receiver=receiver,
-        policy=FakePolicy(busy=True),
-        stats=stats,
-        probe_health=probe_health,
-        last_report=report,
-        last_health=Observation(
-            ObservationKind.HEALTH, now, outcome=HealthOutcome.OK.value, value=0.01
+        ),
+        remediation=RemediationView(
+            mode=Mode.ENFORCE,
+            busy=True,
+            budget_remaining=2,
+            budget_exhausted_total=1,
+            lock=LockStatus(False, "held by another watchdog (pid 7)", None),
+            incidents=tuple(incidents),
+        ),
+        counters=stats.counters(),
+        self_health=SelfHealth(
+            last_evaluation=now - 0.25,
+            internal_errors={"evaluate": 0, "ingest": 1, "ladder": 0, "listener": 0},
+            state_write_errors=0,
+            last_state_write_error="",
+            connections_closed={},
         ),
     )
+    return Scripted(state, clock)

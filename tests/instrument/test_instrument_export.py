@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from instrument.kept_spans import KeptSpans
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
@@ -27,7 +28,19 @@ from opentelemetry.trace import (
 
 from omni_watchdog.instrument.export import WatchdogSpanExporter, encode_spans
 from omni_watchdog.instrument.telemetry import StageTelemetry
-from tests.instrument.kept_spans import KeptSpans
+from omni_watchdog.semconv import (
+    EXCEPTION_EVENT,
+    EXCEPTION_MESSAGE,
+    EXCEPTION_TYPE,
+    HEARTBEAT_SPAN,
+    PROCESS_PID,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    SERVICE_NAME,
+    STAGE_ID,
+    STAGE_REQUEST_SPAN,
+)
 
 
 def tracer_pair(resource: Resource | None = None) -> tuple[TracerProvider, KeptSpans]:
@@ -38,25 +51,23 @@ def tracer_pair(resource: Resource | None = None) -> tuple[TracerProvider, KeptS
 
 
 def plugin_like_spans() -> list[ReadableSpan]:
-    resource = Resource(
-        {"service.name": "svc", "process.pid": 4242, "omni.stage.id": 1, "ratio": 0.5}
-    )
+    resource = Resource({SERVICE_NAME: "svc", PROCESS_PID: 4242, STAGE_ID: 1, "ratio": 0.5})
     provider, kept = tracer_pair(resource)
     tracer = provider.get_tracer("omni_watchdog.instrument")
     tracer.start_span(
-        "omni.request.admitted",
-        attributes={"omni.request.id": "chatcmpl-1", "omni.request.stage_path": [0, 1, 2]},
+        REQUEST_ADMITTED_SPAN,
+        attributes={REQUEST_ID: "chatcmpl-1", REQUEST_STAGE_PATH: [0, 1, 2]},
     ).end()
     for index in range(3):
         tracer.start_span(
-            "omni.stage.request", attributes={"omni.stage.id": 1, "omni.request.id": f"r{index}"}
+            STAGE_REQUEST_SPAN, attributes={STAGE_ID: 1, REQUEST_ID: f"r{index}"}
         ).end()
-    tracer.start_span("omni.stage.loop", attributes={}).end()
+    tracer.start_span(HEARTBEAT_SPAN, attributes={}).end()
     return kept.spans
 
 
 def every_field_spans() -> list[ReadableSpan]:
-    provider, kept = tracer_pair(Resource({"service.name": "other", "negative": -7}))
+    provider, kept = tracer_pair(Resource({SERVICE_NAME: "other", "negative": -7}))
     tracer = provider.get_tracer("scope", "1.2.3", schema_url="https://schema/1")
     remote = SpanContext(
         0x0123456789ABCDEF0123456789ABCDEF,
@@ -84,7 +95,7 @@ def every_field_spans() -> list[ReadableSpan]:
             "flags": [True, False],
         },
     ) as span:
-        span.add_event("exception", {"exception.type": "StageError", "exception.message": "x"})
+        span.add_event(EXCEPTION_EVENT, {EXCEPTION_TYPE: "StageError", EXCEPTION_MESSAGE: "x"})
         span.add_event("empty event")
         span.set_status(Status(StatusCode.ERROR, "stage 1 failed"))
         with tracer.start_as_current_span("local child", kind=SpanKind.CLIENT) as child:

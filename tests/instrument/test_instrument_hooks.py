@@ -9,13 +9,17 @@ import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from omni_watchdog.instrument import hooks, plugin
 from omni_watchdog.instrument.hooks import HookContext, ProcessIdentity, pipeline_stages
+from omni_watchdog.instrument.telemetry import StageTelemetry
 from omni_watchdog.types import Stage
+
+# The plugin's telemetry factory, which some tests fake with one that makes nothing.
+MakeTelemetry = Callable[..., StageTelemetry]
 
 
 class FakeTelemetry:
@@ -141,12 +145,12 @@ def test_engine_loop_beats_while_idle_and_still_gets_its_work(
     engine_class = fake_engine_core(fake_modules)
     hooks.install_engine_core_loop(fx.context)
     engine = engine_class()
-    telemetry = fx.context.telemetry()
+    telemetry = cast(FakeTelemetry, fx.context.telemetry())
     loop_thread = threading.Thread(target=engine._process_input_queue)
 
     def advance_and_count() -> bool:
         fx.clock.now += 1.0
-        return telemetry.heartbeats >= 4  # type: ignore[attr-defined]
+        return telemetry.heartbeats >= 4
 
     loop_thread.start()
     try:
@@ -154,7 +158,7 @@ def test_engine_loop_beats_while_idle_and_still_gets_its_work(
         while not advance_and_count() and deadline:
             deadline -= 1
             threading.Event().wait(0.02)
-        assert telemetry.heartbeats >= 4  # type: ignore[attr-defined]
+        assert telemetry.heartbeats >= 4
     finally:
         engine.input_queue.put("work")
         loop_thread.join(5)
@@ -472,7 +476,7 @@ def test_register_general_never_raises_and_is_idempotent(
         environ={},
         process_title=lambda: "VLLM::StageEngineCoreProc_stage1_replica0_DP0",
         current_process=lambda: None,
-        make_telemetry=lambda **kwargs: made.append(kwargs),
+        make_telemetry=cast(MakeTelemetry, lambda **kwargs: made.append(kwargs)),
         at_exit=lambda function: None,
     )
     assert stage_plugin.register_general() == ["engine_core_loop"]
@@ -544,7 +548,7 @@ def test_api_server_gets_the_route_where_asked_for(
         environ=environ,
         process_title=lambda: "vllm serve",
         current_process=lambda: None,
-        make_telemetry=lambda **kwargs: None,
+        make_telemetry=cast(MakeTelemetry, lambda **kwargs: None),
         at_exit=lambda function: None,
     )
     assert ("build_app_route" in api_plugin.register_general()) is route_hooked

@@ -10,14 +10,36 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
+from instrument.kept_spans import KeptSpans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from omni_watchdog import process_start
 from omni_watchdog.instrument.telemetry import StageTelemetry, heartbeat_interval, traces_endpoint
+from omni_watchdog.semconv import (
+    EXCEPTION_EVENT,
+    EXCEPTION_MESSAGE,
+    EXCEPTION_TYPE,
+    HEARTBEAT_SPAN,
+    HOST_BOOT_ID,
+    PROCESS_KIND,
+    PROCESS_PID,
+    PROCESS_START_TICKS,
+    REQUEST_ABANDONED_SPAN,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_FINISHED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    SERVICE_NAME,
+    STAGE_ID,
+    STAGE_NAME,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+    TOPOLOGY_SPAN,
+    VLLM_REQUEST_SPAN,
+)
 from omni_watchdog.topology import reported_topology
 from omni_watchdog.types import Stage
-from tests.instrument.kept_spans import KeptSpans
 
 STATUS_ERROR = 2
 Collector = Any
@@ -47,29 +69,29 @@ def test_spans_arrive_with_names_attributes_and_resource(
     stage_telemetry.request_abandoned("req-3")
     stage_telemetry.request_finished("req-4")
     assert wait_until(lambda: len(collector.spans) == 5)
-    [admitted] = collector.named("omni.request.admitted")
-    assert admitted.attributes["omni.request.id"] == "req-1"
-    assert admitted.attributes["omni.request.stage_path"] == [0, 1, 2]
-    [abandoned] = collector.named("omni.request.abandoned")
-    assert abandoned.attributes["omni.request.id"] == "req-3"
-    [finished] = collector.named("omni.request.finished")
-    assert finished.attributes["omni.request.id"] == "req-4"
-    stage_spans = collector.named("omni.stage.request")
-    assert [span.attributes["omni.request.id"] for span in stage_spans] == ["req-1", "req-2"]
-    assert all(span.attributes["omni.stage.id"] == 1 for span in stage_spans)
-    assert all(span.attributes["omni.stage.replica"] == 2 for span in stage_spans)
+    [admitted] = collector.named(REQUEST_ADMITTED_SPAN)
+    assert admitted.attributes[REQUEST_ID] == "req-1"
+    assert admitted.attributes[REQUEST_STAGE_PATH] == [0, 1, 2]
+    [abandoned] = collector.named(REQUEST_ABANDONED_SPAN)
+    assert abandoned.attributes[REQUEST_ID] == "req-3"
+    [finished] = collector.named(REQUEST_FINISHED_SPAN)
+    assert finished.attributes[REQUEST_ID] == "req-4"
+    stage_spans = collector.named(STAGE_REQUEST_SPAN)
+    assert [span.attributes[REQUEST_ID] for span in stage_spans] == ["req-1", "req-2"]
+    assert all(span.attributes[STAGE_ID] == 1 for span in stage_spans)
+    assert all(span.attributes[STAGE_REPLICA] == 2 for span in stage_spans)
     assert stage_spans[1].start_ns == 1_000
     resource = admitted.resource
-    assert resource["service.name"] == "omni-watchdog-instrument"
-    assert resource["omni.stage.id"] == 1
-    assert resource["omni.stage.name"] == "talker"
-    assert resource["omni.stage.replica"] == 2
-    assert resource["omni.process.kind"] == "stage"
-    assert resource["process.pid"] == os.getpid()
+    assert resource[SERVICE_NAME] == "omni-watchdog-instrument"
+    assert resource[STAGE_ID] == 1
+    assert resource[STAGE_NAME] == "talker"
+    assert resource[STAGE_REPLICA] == 2
+    assert resource[PROCESS_KIND] == "stage"
+    assert resource[PROCESS_PID] == os.getpid()
     # The pid and start that name this process for life, as the watchdog's tracker reads
     # them from /proc.
-    assert resource["omni.process.start_ticks"] == process_start.start_ticks(os.getpid())
-    assert resource["omni.host.boot_id"] == process_start.boot_id() != ""
+    assert resource[PROCESS_START_TICKS] == process_start.start_ticks(os.getpid())
+    assert resource[HOST_BOOT_ID] == process_start.boot_id() != ""
 
 
 def test_service_name_comes_from_otel_service_name(
@@ -84,8 +106,8 @@ def test_service_name_comes_from_otel_service_name(
     )
     telemetry.heartbeat()
     assert wait_until(lambda: len(collector.spans) == 1)
-    assert collector.spans[0].resource["service.name"] == "omni-api"
-    assert "omni.stage.id" not in collector.spans[0].attributes
+    assert collector.spans[0].resource[SERVICE_NAME] == "omni-api"
+    assert STAGE_ID not in collector.spans[0].attributes
     telemetry.shutdown()
 
 
@@ -98,14 +120,14 @@ def test_failure_marks_the_span_and_reraises_unchanged(
     assert raised.value is failure
     stage_telemetry.record_stage_request("req-10", 1, 2, error="stage 1 failed")
     assert wait_until(lambda: len(collector.spans) == 2)
-    wrapped, recorded = collector.named("omni.stage.request")
+    wrapped, recorded = collector.named(STAGE_REQUEST_SPAN)
     assert wrapped.status_code == STATUS_ERROR
     assert "engine dead" in wrapped.status_message
     [(event_name, event_attributes)] = wrapped.events
-    assert event_name == "exception"
-    assert event_attributes["exception.type"] == "ValueError"
+    assert event_name == EXCEPTION_EVENT
+    assert event_attributes[EXCEPTION_TYPE] == "ValueError"
     assert recorded.status_code == STATUS_ERROR
-    assert recorded.events[0][1]["exception.message"] == "stage 1 failed"
+    assert recorded.events[0][1][EXCEPTION_MESSAGE] == "stage 1 failed"
 
 
 def test_first_heartbeat_arrives_within_a_second_and_a_half(
@@ -116,7 +138,7 @@ def test_first_heartbeat_arrives_within_a_second_and_a_half(
     )
     started = time.monotonic()
     telemetry.heartbeat()
-    assert wait_until(lambda: bool(collector.named("omni.stage.loop")), timeout=1.5)
+    assert wait_until(lambda: bool(collector.named(HEARTBEAT_SPAN)), timeout=1.5)
     assert time.monotonic() - started < 1.5
     telemetry.shutdown()
 
@@ -135,11 +157,11 @@ def test_heartbeats_stop_while_the_loop_is_blocked_and_resume_after(
         release.wait(10)
 
     def beats_after(moment_ns: int) -> int:
-        return sum(span.start_ns > moment_ns for span in collector.named("omni.stage.loop"))
+        return sum(span.start_ns > moment_ns for span in collector.named(HEARTBEAT_SPAN))
 
     try:
         asyncio.run_coroutine_threadsafe(stage_telemetry.heartbeat_loop(0.05), loop)
-        assert wait_until(lambda: len(collector.named("omni.stage.loop")) >= 3)
+        assert wait_until(lambda: len(collector.named(HEARTBEAT_SPAN)) >= 3)
         loop.call_soon_threadsafe(block_the_loop)
         assert wait_until(lambda: bool(blocked_at))
         # Long enough for several beats and exports, had the loop been free.
@@ -265,8 +287,8 @@ def test_the_hosts_sampler_and_sdk_switch_do_not_thin_out_the_signals(
             pass
     telemetry.shutdown(timeout_s=2.0)
     names = [span.name for span in kept.spans]
-    assert names.count("omni.stage.loop") == 20
-    assert names.count("omni.stage.request") == 20
+    assert names.count(HEARTBEAT_SPAN) == 20
+    assert names.count(STAGE_REQUEST_SPAN) == 20
 
 
 def test_stage_spans_join_the_current_trace_and_heartbeats_never_do() -> None:
@@ -275,7 +297,7 @@ def test_stage_spans_join_the_current_trace_and_heartbeats_never_do() -> None:
 
     kept = KeptSpans()
     telemetry = StageTelemetry(kept, process_kind="stage", stage_id=1, replica=0)
-    server_span = TracerProvider().get_tracer("vllm").start_span("llm_request")
+    server_span = TracerProvider().get_tracer("vllm").start_span(VLLM_REQUEST_SPAN)
     with use_span(server_span, end_on_exit=True):
         with telemetry.stage_request("req-1"):
             pass
@@ -287,15 +309,16 @@ def test_stage_spans_join_the_current_trace_and_heartbeats_never_do() -> None:
     server = server_span.get_span_context()
     assert joined.context.trace_id == server.trace_id
     assert joined.parent is not None and joined.parent.span_id == server.span_id
-    assert beat.name == "omni.stage.loop" and beat.parent is None
+    assert beat.name == HEARTBEAT_SPAN and beat.parent is None
     assert beat.context.trace_id != server.trace_id
     assert alone.parent is None and alone.context.trace_id not in (0, server.trace_id)
     assert all(span.context.span_id and span.context.trace_flags.sampled for span in kept.spans)
+    assert joined.start_time is not None and joined.end_time is not None
     assert joined.start_time <= joined.end_time
-    assert dict(joined.attributes) == {
-        "omni.stage.id": 1,
-        "omni.stage.replica": 0,
-        "omni.request.id": "req-1",
+    assert dict(joined.attributes or {}) == {
+        STAGE_ID: 1,
+        STAGE_REPLICA: 0,
+        REQUEST_ID: "req-1",
     }
 
 
@@ -306,7 +329,9 @@ def test_the_topology_is_reported_again_and_again_and_a_failed_read_skips_one() 
         Stage(0, "thinker", final_output=True),
         Stage(1, "talker", replicas=2, upstream=(0,)),
     )
-    reads = iter([stages, RuntimeError("pools changing"), stages])
+    reads: Iterator[tuple[Stage, ...] | Exception] = iter(
+        [stages, RuntimeError("pools changing"), stages]
+    )
 
     def read_stages() -> tuple[Stage, ...]:
         answer = next(reads)
@@ -322,10 +347,11 @@ def test_the_topology_is_reported_again_and_again_and_a_failed_read_skips_one() 
 
     asyncio.run(three_rounds())
     telemetry.shutdown(timeout_s=2.0)
-    assert [span.name for span in kept.spans] == ["omni.pipeline.topology"] * 2
+    assert [span.name for span in kept.spans] == [TOPOLOGY_SPAN] * 2
     first = kept.spans[0]
     assert first.parent is None
-    values = {key: list(value) for key, value in (first.attributes or {}).items()}  # type: ignore[call-overload]
+    # Every attribute of the topology span is a list; the span's type allows scalars too.
+    values = {key: list(value) for key, value in (first.attributes or {}).items()}  # type: ignore[arg-type]
     assert reported_topology(values).stages == (
         Stage(0, "thinker", final_output=True, downstream=(1,)),
         Stage(1, "talker", replicas=2, upstream=(0,)),

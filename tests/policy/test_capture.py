@@ -20,6 +20,7 @@ from omni_watchdog.policy.actuators import Actuators, SignalGuard
 from omni_watchdog.policy.capture import Capturer, find_py_spy, ptrace_in_bounding_set
 from omni_watchdog.policy.incidents import BundleWriter, StateWriteErrors
 from omni_watchdog.policy.ladder import TargetSnapshot
+from omni_watchdog.semconv import GEN_AI_USAGE_PROMPT_TOKENS
 from omni_watchdog.types import Incident, Mode, ProcessRole, StepOutcome, StepResult
 
 ALL_CAPABILITIES = "000001ffffffffff"
@@ -117,7 +118,7 @@ def capture_with(bundles: BundleWriter, session: aiohttp.ClientSession) -> Captu
         "http://127.0.0.1:1",
         "/health",
         "/metrics",
-        lambda: {"attributes": {"x.api_key": "sk-123", "gen_ai.usage.prompt_tokens": 12}},
+        lambda: {"attributes": {"x.api_key": "sk-123", GEN_AI_USAGE_PROMPT_TOKENS: 12}},
         dict,
         lambda process: True,
         "py-spy",
@@ -158,7 +159,7 @@ def test_capture_writes_private_files_without_the_servers_secrets(tmp_path: Path
     assert stack.startswith("# pid 101 python -m vllm.entrypoints.openai.api_server")
     assert "Process 101: python" in stack and "--api-key ***" in stack
     spans = json.loads(files["spans.json"].read_text())
-    assert spans == {"attributes": {"x.api_key": "***", "gen_ai.usage.prompt_tokens": 12}}
+    assert spans == {"attributes": {"x.api_key": "***", GEN_AI_USAGE_PROMPT_TOKENS: 12}}
     assert errors.total == 0
 
 

@@ -17,12 +17,12 @@ from omni_watchdog.policy.actuators import Actuators, SignalGuard, is_alive
 from omni_watchdog.policy.inspect import ProcessCondition, read_condition
 from omni_watchdog.policy.ladder import (
     UNKILLABLE_REPORT,
-    GpuReading,
     LadderRunner,
     TargetSnapshot,
     ladder_from_config,
 )
 from omni_watchdog.types import (
+    GpuReading,
     Incident,
     IncidentOutcome,
     Mode,
@@ -61,7 +61,7 @@ class Rig:
         self.after_step: Callable[[Incident], None] = lambda incident: None
 
     def process(self, pid: int, pgid: int, role: ProcessRole) -> None:
-        self.fake.add(pid, pgid, ignores={TERM})
+        self.fake.add(pid, pgid=pgid, create_time=100.0, ignores={TERM})
         self.processes.append(info(pid, pgid, role))
 
     def recorded(self, identity: ProcessIdentity) -> bool:
@@ -279,15 +279,15 @@ def test_a_kill_step_skipped_because_nothing_survived_reports_nothing(
 def test_read_condition_reads_state_and_wait_channel(
     tmp_path: Path, fake_psutil: FakePsutil, wchan: str | None, state: str, described: str
 ) -> None:
-    fake_psutil.add(103, 100).status = state
+    fake_psutil.add(103, pgid=100).state = state
     if wchan is not None:
         (tmp_path / "103").mkdir()
         (tmp_path / "103" / "wchan").write_text(wchan)
-    condition = read_condition(ProcessIdentity(103, 100.0), fake_psutil, tmp_path)  # type: ignore[arg-type]
+    condition = read_condition(ProcessIdentity(103, 100.0), fake_psutil, tmp_path)
     assert condition.pid == 103 and condition.state == state
     assert condition.describe() == described
 
 
 def test_read_condition_of_a_gone_process(tmp_path: Path, fake_psutil: FakePsutil) -> None:
-    condition = read_condition(ProcessIdentity(103, 100.0), fake_psutil, tmp_path)  # type: ignore[arg-type]
+    condition = read_condition(ProcessIdentity(103, 100.0), fake_psutil, tmp_path)
     assert condition == ProcessCondition(103, "gone", "")

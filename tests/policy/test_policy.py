@@ -17,9 +17,8 @@ from fakes import FakePsutil, info
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import LadderConfig
-from omni_watchdog.detector import DetectorReport
 from omni_watchdog.policy.actuators import Actuators, SignalGuard, is_alive
-from omni_watchdog.policy.core import LockStatus, Policy
+from omni_watchdog.policy.core import Policy
 from omni_watchdog.policy.incidents import (
     BundleWriter,
     EnforcementBudget,
@@ -31,17 +30,21 @@ from omni_watchdog.policy.incidents import (
     replace_private,
 )
 from omni_watchdog.policy.ladder import (
-    GpuReading,
     LadderRunner,
     TargetSnapshot,
     gpu_baseline,
     ladder_from_config,
 )
 from omni_watchdog.types import (
+    DetectorReport,
     Evidence,
     EvidenceKind,
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
     Incident,
     IncidentOutcome,
+    LockStatus,
     Mode,
     ProcessIdentity,
     ProcessInfo,
@@ -64,6 +67,15 @@ VERDICT = Verdict(
 TERM, KILL = int(signal.SIGTERM), int(signal.SIGKILL)
 
 
+def gpu_reading(used: dict[int, float], held: dict[tuple[int, int], float]) -> GpuReading:
+    """Devices' used bytes by index, and the bytes each pid holds by (device, pid)."""
+    return GpuReading(
+        1000.0,
+        tuple(GpuDevice(index, used_bytes, 80e9, None) for index, used_bytes in used.items()),
+        tuple(GpuProcess(gpu, pid, held_bytes) for (gpu, pid), held_bytes in held.items()),
+    )
+
+
 class Rig:
     """A policy wired to fakes: processes, GPU memory, clock, a refused admin port."""
 
@@ -80,9 +92,18 @@ class Rig:
         self.internal_errors: list[tuple[str, Exception]] = []
         self.disk: Callable[[Path, bytes], None] | None = None
 
-    def process(self, pid: int, pgid: int, role: ProcessRole, **kwargs) -> ProcessInfo:
-        entry = info(pid, pgid, role, kwargs.pop("recorded_time", 100.0))
-        self.fake.add(pid, pgid, kwargs.pop("create_time", 100.0), kwargs.pop("ignores", None))
+    def process(
+        self,
+        pid: int,
+        pgid: int,
+        role: ProcessRole,
+        *,
+        recorded_time: float = 100.0,
+        create_time: float = 100.0,
+        ignores: set[int] | None = None,
+    ) -> ProcessInfo:
+        entry = info(pid, pgid, role, recorded_time)
+        self.fake.add(pid, pgid=pgid, create_time=create_time, ignores=ignores)
         self.processes.append(entry)
         return entry
 
@@ -94,7 +115,7 @@ class Rig:
 
     async def read_gpu(self) -> GpuReading:
         held = {pid: b for pid, b in self.gpu_by_pid.items() if pid in self.fake.table}
-        return GpuReading({0: 1e9 + sum(held.values())}, {(0, pid): b for pid, b in held.items()})
+        return gpu_reading({0: 1e9 + sum(held.values())}, {(0, pid): b for pid, b in held.items()})
 
     async def capture(self, incident: Incident, snapshot: TargetSnapshot) -> StepResult:
         self.captures += 1
@@ -102,7 +123,7 @@ class Rig:
 
     def snapshot(self) -> TargetSnapshot:
         root = next(p for p in self.processes if p.role is ProcessRole.API)
-        reading = GpuReading(
+        reading = gpu_reading(
             {0: 1e9 + sum(self.gpu_by_pid.values())},
             {(0, pid): b for pid, b in self.gpu_by_pid.items()},
         )
@@ -213,7 +234,7 @@ def test_escaped_child_holding_memory_is_killed_by_pid(
     the_0_11_tree(rig, ignores={TERM})
     # It called setsid: its own group, which also holds a process that is not ours.
     rig.process(104, 104, ProcessRole.HELPER, ignores={TERM})
-    fake_psutil.add(500, 104)
+    fake_psutil.add(500, pgid=104)
     rig.gpu_by_pid[104] = 1e9
     incident = run_incident(rig)
     assert incident is not None and incident.outcome is IncidentOutcome.RECOVERED_BY_KILL
@@ -227,7 +248,7 @@ def test_memory_still_held_ends_leaked(tmp_path: Path, fake_psutil: FakePsutil) 
     the_0_11_tree(rig)
 
     async def stuck_gpu() -> GpuReading:
-        return GpuReading({0: 1e9 + 7.5e9}, {})
+        return gpu_reading({0: 1e9 + 7.5e9}, {})
 
     rig.read_gpu = stuck_gpu  # type: ignore[method-assign]
     incident = run_incident(rig)
@@ -250,6 +271,34 @@ def test_a_reused_pid_is_never_signalled(tmp_path: Path, fake_psutil: FakePsutil
     assert incident is not None
     assert all(s[1] != 101 for s in fake_psutil.signals)
     assert 101 in fake_psutil.table
+
+
+@pytest.mark.parametrize(
+    ("started", "same"),
+    [
+        (100.0, True),
+        (100.0 + 1e-9, True),  # the same start, rounded another way
+        (100.01, False),  # the next tick: another process got the pid
+        (99.99, False),
+    ],
+)
+def test_a_process_is_the_recorded_one_only_if_it_started_in_the_same_tick(
+    fake_psutil: FakePsutil, started: float, same: bool
+) -> None:
+    recorded = ProcessIdentity(101, 100.0)
+    fake_psutil.add(101, create_time=started)
+    assert recorded.matches(ProcessIdentity(101, started)) is same
+    assert not recorded.matches(ProcessIdentity(102, 100.0))
+    guard = SignalGuard(
+        fake_psutil,
+        lambda identity: identity == recorded,
+        OWN_PID,
+        OWN_PGID,
+        fake_psutil.getpgid,
+        fake_psutil.start_time,
+    )
+    assert (guard.check_process(recorded) == "") is same
+    assert is_alive(fake_psutil, recorded, fake_psutil.start_time) is same
 
 
 def test_never_the_watchdog_its_group_or_pid_1(tmp_path: Path, fake_psutil: FakePsutil) -> None:
@@ -275,7 +324,7 @@ def test_a_group_with_a_foreign_member_is_signalled_pid_by_pid(
 ) -> None:
     rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
     the_0_11_tree(rig)
-    fake_psutil.add(600, 100)  # the shell that started the server, in its group
+    fake_psutil.add(600, pgid=100)  # the shell that started the server, in its group
     run_incident(rig)
     assert not any(s[0] == "killpg" for s in fake_psutil.signals)
     assert {s[1] for s in fake_psutil.signals} == {100, 101, 102, 103}
@@ -360,7 +409,7 @@ def test_restarted_watchdog_resumes_the_open_incident(
     if not memory_drops:
 
         async def stuck_gpu() -> GpuReading:
-            return GpuReading({0: 1e9 + 7.5e9}, {})
+            return gpu_reading({0: 1e9 + 7.5e9}, {})
 
         rig.read_gpu = stuck_gpu  # type: ignore[method-assign]
     entries: list[JournalEntry] = []
@@ -404,7 +453,9 @@ def test_a_second_watchdog_on_the_same_target_does_not_act(
     rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
     the_0_11_tree(rig)
     other = TargetLock(tmp_path / "locks")
-    assert other.acquire(rig.snapshot().root)
+    root = rig.snapshot().root
+    assert root is not None
+    assert other.acquire(root)
     try:
         incident = run_incident(rig, lock_dir=tmp_path / "locks")
     finally:
@@ -650,7 +701,7 @@ def test_the_ladder_is_data(steps: list[str]) -> None:
 
 def test_gpu_baseline_is_per_device() -> None:
     ours = (info(10, 10, ProcessRole.ENGINE),)
-    reading = GpuReading({0: 5e9, 1: 9e9}, {(0, 99): 5e9, (1, 10): 8e9, (1, 99): 1e9})
+    reading = gpu_reading({0: 5e9, 1: 9e9}, {(0, 99): 5e9, (1, 10): 8e9, (1, 99): 1e9})
     assert gpu_baseline(reading, ours) == {0: 5e9, 1: 1e9}
     assert reading.used_by_pid == {99: 6e9, 10: 8e9}
 
@@ -697,7 +748,7 @@ def test_a_server_that_answers_503_and_exits_by_itself_crashed(
     rig.snapshot = lambda: dataclasses.replace(original(), server_reports_failure=True)  # type: ignore[method-assign]
     incident = run_incident(rig)
     assert incident is not None and incident.outcome is outcome
-    assert "the server crashed" in incident.cause
+    assert incident.crashed and "the server crashed" in incident.cause
     assert step_detail(incident, StepName.SHUTDOWN).startswith("the server exited by itself")
     assert ("killpg", 100, TERM) not in fake_psutil.signals or leftover
 

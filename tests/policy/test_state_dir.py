@@ -23,6 +23,7 @@ from omni_watchdog.policy.incidents import (
     lock_dir_for,
     read_journal_tail,
 )
+from omni_watchdog.semconv import GEN_AI_USAGE_PROMPT_TOKENS
 from omni_watchdog.types import (
     Incident,
     IncidentOutcome,
@@ -108,7 +109,7 @@ def test_the_journal_and_the_bundle_carry_no_secret(tmp_path: Path) -> None:
     IncidentJournal(tmp_path / "journal.jsonl", errors).record(incident, ROOT)
     bundles = BundleWriter(tmp_path / "incidents", errors)
     bundles.write_json(incident.incident_id, "incident.json", incident)
-    spans = {"attributes": {"x.api_key": "sk-123", "gen_ai.usage.prompt_tokens": 12}}
+    spans = {"attributes": {"x.api_key": "sk-123", GEN_AI_USAGE_PROMPT_TOKENS: 12}}
     bundles.write_json(incident.incident_id, "spans.json", spans)
     texts = [
         (tmp_path / "journal.jsonl").read_text(),
@@ -119,7 +120,7 @@ def test_the_journal_and_the_bundle_carry_no_secret(tmp_path: Path) -> None:
     assert entry.incident.cause == "stage 1.0 dead; Authorization: ***"
     assert entry.incident.steps[0].detail.endswith("--model m --api-key ***")
     written = json.loads((tmp_path / "incidents" / incident.incident_id / "spans.json").read_text())
-    assert written == {"attributes": {"x.api_key": "***", "gen_ai.usage.prompt_tokens": 12}}
+    assert written == {"attributes": {"x.api_key": "***", GEN_AI_USAGE_PROMPT_TOKENS: 12}}
 
 
 # ---- the lock --------------------------------------------------------------------------
@@ -135,7 +136,12 @@ def test_a_second_lock_on_one_target_names_the_holder(tmp_path: Path) -> None:
     first.release()
     assert second.acquire(ROOT) and second.conflict == ""
     second.release()
-    assert (second.held, second.conflict, second.path) == (False, "", None)
+    assert lock_state(second) == (False, "", None)
+
+
+def lock_state(lock: TargetLock) -> tuple[bool, str, Path | None]:
+    # Read afresh: what the asserts above narrowed, release() has since changed.
+    return (lock.held, lock.conflict, lock.path)
 
 
 def plant_symlink(lock_dir: Path, path: Path, victim: Path) -> None:

@@ -338,7 +338,7 @@ def test_real_omni_page_of_an_idle_server_shows_no_queued_work() -> None:
     ).read_text()
     running = {
         sample.labels["stage"]: sample.value
-        for sample in parse_samples(page, {"vllm:num_requests_running"})
+        for sample in parse_samples(page, frozenset({"vllm:num_requests_running"}))
     }
     assert running == {"0": 1.0, "1": 1.0, "2": 1.0}
 

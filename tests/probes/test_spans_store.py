@@ -27,6 +27,16 @@ from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.probes.span_store import SpanStore, as_int
 from omni_watchdog.probes.spans import PROTOBUF, OtlpError, SpanForwarder, SpanReceiver, gunzip
+from omni_watchdog.semconv import (
+    HEARTBEAT_SPAN,
+    PROCESS_PID,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    STAGE_ID,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+)
 from omni_watchdog.types import ObservationKind, StageRef
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -53,11 +63,11 @@ def make_receiver(ring_size: int = 256, forwarder: SpanForwarder | None = None) 
 
 def test_ring_buffer_keeps_the_last_spans_of_each_stage() -> None:
     receiver = make_receiver(ring_size=3)
-    stage_one = {"omni.stage.id": 1, "omni.stage.replica": 0, "process.pid": 11}
-    spans: list[tuple[str, Mapping[str, int | str]]] = [("omni.stage.loop", {})] * 5
-    spans += [("omni.stage.request", {"omni.stage.id": 2, "omni.request.id": "r"})] * 2
-    spans += [("omni.stage.loop", {"omni.stage.replica": 1})]
-    spans += [("other", {"omni.stage.id": "not a number"})] * 4
+    stage_one = {STAGE_ID: 1, STAGE_REPLICA: 0, PROCESS_PID: 11}
+    spans: list[tuple[str, Mapping[str, int | str]]] = [(HEARTBEAT_SPAN, {})] * 5
+    spans += [(STAGE_REQUEST_SPAN, {STAGE_ID: 2, REQUEST_ID: "r"})] * 2
+    spans += [(HEARTBEAT_SPAN, {STAGE_REPLICA: 1})]
+    spans += [("other", {STAGE_ID: "not a number"})] * 4
     receiver.ingest(batch(stage_one, spans), PROTOBUF)
     store = receiver.store
     assert store.stages() == [StageRef(1, 0), StageRef(1, 1), StageRef(2, 0)]
@@ -157,7 +167,7 @@ async def post(url: str, body: bytes, headers: Mapping[str, str]) -> int:
         return response.status
 
 
-BODY = batch({"omni.stage.id": 0}, [("omni.stage.loop", {})])
+BODY = batch({STAGE_ID: 0}, [(HEARTBEAT_SPAN, {})])
 
 
 def test_forwarding_reaches_the_upstream_as_received() -> None:
@@ -255,14 +265,14 @@ def test_gunzip_joins_members_and_refuses_empty_or_oversized_streams() -> None:
 def test_status_message_is_the_error_detail_and_bad_paths_are_empty() -> None:
     request = ExportTraceServiceRequest()
     spans = request.resource_spans.add().scope_spans.add().spans
-    failed = spans.add(name="omni.stage.request", trace_id=b"\x01" * 16, span_id=b"\x01" * 8)
+    failed = spans.add(name=STAGE_REQUEST_SPAN, trace_id=b"\x01" * 16, span_id=b"\x01" * 8)
     failed.status.code = failed.status.STATUS_CODE_ERROR
     failed.status.message = "stage 1 timed out"
-    failed.attributes.extend([key_value("omni.stage.id", 1)])
-    admitted = spans.add(name="omni.request.admitted", trace_id=b"\x02" * 16, span_id=b"\x02" * 8)
-    path = KeyValue(key="omni.request.stage_path")
+    failed.attributes.extend([key_value(STAGE_ID, 1)])
+    admitted = spans.add(name=REQUEST_ADMITTED_SPAN, trace_id=b"\x02" * 16, span_id=b"\x02" * 8)
+    path = KeyValue(key=REQUEST_STAGE_PATH)
     path.value.array_value.values.add().string_value = "first"
-    admitted.attributes.extend([path, key_value("omni.request.id", "r")])
+    admitted.attributes.extend([path, key_value(REQUEST_ID, "r")])
     receiver = make_receiver()
     receiver.ingest(request.SerializeToString(), PROTOBUF)
     stage_span, admission = asyncio.run(receiver.collect())

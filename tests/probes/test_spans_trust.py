@@ -16,25 +16,45 @@ from listening import listening
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from otlp_bodies import batch
 
-from omni_watchdog import pipeline_report
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.demo import wait_for
 from omni_watchdog.probes.span_store import MAX_SPAN_BYTES, SpanStore
 from omni_watchdog.probes.spans import JSON, PROTOBUF, SpanReceiver
-from omni_watchdog.process_start import BOOT_ID_KEY, START_TICKS_KEY
+from omni_watchdog.semconv import (
+    GEN_AI_REQUEST_ID,
+    HEARTBEAT_SPAN,
+    HOST_BOOT_ID,
+    PIPELINE_STAGE_FINAL_OUTPUT,
+    PIPELINE_STAGE_IDS,
+    PIPELINE_STAGE_INPUTS,
+    PIPELINE_STAGE_NAMES,
+    PIPELINE_STAGE_REPLICAS,
+    PROCESS_KIND,
+    PROCESS_PID,
+    PROCESS_START_TICKS,
+    REQUEST_ADMITTED_SPAN,
+    REQUEST_ID,
+    REQUEST_STAGE_PATH,
+    STAGE_ID,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+    TOPOLOGY_SPAN,
+    VLLM_PROCESS_ID,
+    VLLM_REQUEST_SPAN,
+)
 from omni_watchdog.topology import MAX_STAGES
 from omni_watchdog.types import ObservationKind, StageRef, Topology, TopologyOrigin
 
 BOOT = "boot-of-this-host"
-STAGE_PROCESS = {"process.pid": 40, START_TICKS_KEY: 900, BOOT_ID_KEY: BOOT}
-STAGE_ONE = {"omni.stage.id": 1, "omni.stage.replica": 0}
+STAGE_PROCESS = {PROCESS_PID: 40, PROCESS_START_TICKS: 900, HOST_BOOT_ID: BOOT}
+STAGE_ONE = {STAGE_ID: 1, STAGE_REPLICA: 0}
 S0, S1 = StageRef(0), StageRef(1)
 TREE = FakeSenders(owned={(40, 900)}, stages={S0, S1}, mapped={S0, S1})
-HEARTBEAT = ("omni.stage.loop", {})
-STAGE_SPAN = ("omni.stage.request", {"omni.request.id": "r1"})
-ADMITTED = ("omni.request.admitted", {"omni.request.id": "r1", "omni.request.stage_path": [0, 1]})
-LLM_REQUEST = ("llm_request", {"gen_ai.request.id": "cmpl-1"})
+HEARTBEAT: tuple[str, dict[str, object]] = (HEARTBEAT_SPAN, {})
+STAGE_SPAN = (STAGE_REQUEST_SPAN, {REQUEST_ID: "r1"})
+ADMITTED = (REQUEST_ADMITTED_SPAN, {REQUEST_ID: "r1", REQUEST_STAGE_PATH: [0, 1]})
+LLM_REQUEST = (VLLM_REQUEST_SPAN, {GEN_AI_REQUEST_ID: "cmpl-1"})
 
 
 def receiver_for(
@@ -72,14 +92,14 @@ def refused(receiver: SpanReceiver) -> dict[str, int]:
         ),
         (
             "another host's boot",
-            {**STAGE_PROCESS, **STAGE_ONE, BOOT_ID_KEY: "another-boot"},
+            {**STAGE_PROCESS, **STAGE_ONE, HOST_BOOT_ID: "another-boot"},
             [HEARTBEAT, STAGE_SPAN],
             [],
             {"unknown_sender": 2},
         ),
         (
             "a stage the topology and the tree do not have",
-            {**STAGE_PROCESS, "omni.stage.id": 7},
+            {**STAGE_PROCESS, STAGE_ID: 7},
             [HEARTBEAT, STAGE_SPAN],
             [],
             {"unknown_stage": 2},
@@ -87,20 +107,20 @@ def refused(receiver: SpanReceiver) -> dict[str, int]:
         (
             "a span's own stage attribute names an unknown replica",
             {**STAGE_PROCESS, **STAGE_ONE},
-            [("omni.stage.loop", {"omni.stage.id": 1, "omni.stage.replica": 9}), HEARTBEAT],
+            [(HEARTBEAT_SPAN, {STAGE_ID: 1, STAGE_REPLICA: 9}), HEARTBEAT],
             [ObservationKind.HEARTBEAT],
             {"unknown_stage": 1},
         ),
         (
             "no start time: heartbeats and admissions are a stranger's",
-            {"process.pid": 40, **STAGE_ONE},
+            {PROCESS_PID: 40, **STAGE_ONE},
             [HEARTBEAT, ADMITTED, STAGE_SPAN],
             [],
             {"unknown_sender": 3},
         ),
         (
             "vLLM's own llm_request of a stage the tree maps counts as progress",
-            {"vllm.process_id": "40"},
+            {VLLM_PROCESS_ID: "40"},
             [LLM_REQUEST, ("Worker init", {})],
             [ObservationKind.STAGE_SPAN],
             {"unknown_sender": 1},
@@ -125,7 +145,7 @@ def test_only_the_target_speaks_for_its_stages(
 
 def test_vllm_spans_of_an_unmapped_stage_are_refused() -> None:
     receiver = receiver_for(FakeSenders(owned=set(), stages={S0}, mapped=set()))
-    receiver.ingest(batch({"vllm.process_id": "40"}, [LLM_REQUEST]), PROTOBUF)
+    receiver.ingest(batch({VLLM_PROCESS_ID: "40"}, [LLM_REQUEST]), PROTOBUF)
     assert taken(receiver) == []
     assert refused(receiver) == {"unknown_sender": 1}
 
@@ -141,8 +161,8 @@ def test_an_unrecorded_sender_waits_for_the_tracker_then_counts() -> None:
     senders.owned = {(40, 900)}  # the tracker's next scan records the new process
     assert taken(receiver) == [ObservationKind.HEARTBEAT, ObservationKind.STAGE_SPAN]
     assert [record.name for record in receiver.store.recent(S1)] == [
-        "omni.stage.loop",
-        "omni.stage.request",
+        HEARTBEAT_SPAN,
+        STAGE_REQUEST_SPAN,
     ]
     assert receiver.store.pid_stages() == {40: (S1, "")}
     assert refused(receiver) == {}
@@ -163,8 +183,8 @@ def test_a_sender_never_recorded_is_refused_after_its_grace() -> None:
 
 def test_a_huge_attribute_is_cut_before_it_is_kept() -> None:
     receiver = receiver_for()
-    huge = {"omni.request.id": "r1", "prompt": "x" * 1_000_000, "list": list(range(5000))}
-    receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [("omni.stage.request", huge)]), PROTOBUF)
+    huge = {REQUEST_ID: "r1", "prompt": "x" * 1_000_000, "list": list(range(5000))}
+    receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [(STAGE_REQUEST_SPAN, huge)]), PROTOBUF)
     ((data, _, _),) = receiver.store.ring(S1)
     assert len(data) <= MAX_SPAN_BYTES + 512
     (record,) = receiver.store.recent(S1)
@@ -190,7 +210,7 @@ async def post(url: str, data: bytes, headers: Mapping[str, str]) -> int:
         return response.status
 
 
-async def raw_post(port: int, head: bytes, sent_body: bytes) -> bytes:
+async def raw_post(port: int | None, head: bytes, sent_body: bytes) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(head + sent_body)
     await writer.drain()
@@ -288,17 +308,17 @@ def test_a_client_gone_mid_body_is_counted_not_an_error_of_the_watchdog() -> Non
 # ---- the plugin's topology report ---------------------------------------------------------
 
 API_PROCESS = {
-    "process.pid": 40,
-    START_TICKS_KEY: 900,
-    BOOT_ID_KEY: BOOT,
-    "omni.process.kind": "api",
+    PROCESS_PID: 40,
+    PROCESS_START_TICKS: 900,
+    HOST_BOOT_ID: BOOT,
+    PROCESS_KIND: "api",
 }
 THREE_STAGES = {
-    pipeline_report.STAGE_IDS: [0, 1, 2],
-    pipeline_report.STAGE_NAMES: ["thinker", "talker", "code2wav"],
-    pipeline_report.STAGE_REPLICAS: [1, 2, 1],
-    pipeline_report.STAGE_INPUTS: ["", "0", "1"],
-    pipeline_report.STAGE_FINAL_OUTPUT: [True, False, True],
+    PIPELINE_STAGE_IDS: [0, 1, 2],
+    PIPELINE_STAGE_NAMES: ["thinker", "talker", "code2wav"],
+    PIPELINE_STAGE_REPLICAS: [1, 2, 1],
+    PIPELINE_STAGE_INPUTS: ["", "0", "1"],
+    PIPELINE_STAGE_FINAL_OUTPUT: [True, False, True],
 }
 
 
@@ -312,14 +332,14 @@ def reported(receiver: SpanReceiver) -> list[Topology]:
         ("the target's API process", API_PROCESS, THREE_STAGES, [1, 2, 1], {}),
         (
             "a sender with no start time",
-            {"process.pid": 40},
+            {PROCESS_PID: 40},
             THREE_STAGES,
             None,
             {"unknown_sender": 1},
         ),
         (
             "another host",
-            {**API_PROCESS, BOOT_ID_KEY: "another-boot"},
+            {**API_PROCESS, HOST_BOOT_ID: "another-boot"},
             THREE_STAGES,
             None,
             {"unknown_sender": 1},
@@ -327,14 +347,14 @@ def reported(receiver: SpanReceiver) -> list[Topology]:
         (
             "an input from no stage",
             API_PROCESS,
-            {**THREE_STAGES, pipeline_report.STAGE_INPUTS: ["", "0", "9"]},
+            {**THREE_STAGES, PIPELINE_STAGE_INPUTS: ["", "0", "9"]},
             None,
             {"malformed_topology": 1},
         ),
         (
             "lists of different lengths",
             API_PROCESS,
-            {**THREE_STAGES, pipeline_report.STAGE_NAMES: ["thinker"]},
+            {**THREE_STAGES, PIPELINE_STAGE_NAMES: ["thinker"]},
             None,
             {"malformed_topology": 1},
         ),
@@ -342,11 +362,11 @@ def reported(receiver: SpanReceiver) -> list[Topology]:
             "a list past the stage bound",
             API_PROCESS,
             {
-                pipeline_report.STAGE_IDS: list(range(MAX_STAGES + 1)),
-                pipeline_report.STAGE_NAMES: ["s"] * (MAX_STAGES + 1),
-                pipeline_report.STAGE_REPLICAS: [1] * (MAX_STAGES + 1),
-                pipeline_report.STAGE_INPUTS: [""] * (MAX_STAGES + 1),
-                pipeline_report.STAGE_FINAL_OUTPUT: [True] * (MAX_STAGES + 1),
+                PIPELINE_STAGE_IDS: list(range(MAX_STAGES + 1)),
+                PIPELINE_STAGE_NAMES: ["s"] * (MAX_STAGES + 1),
+                PIPELINE_STAGE_REPLICAS: [1] * (MAX_STAGES + 1),
+                PIPELINE_STAGE_INPUTS: [""] * (MAX_STAGES + 1),
+                PIPELINE_STAGE_FINAL_OUTPUT: [True] * (MAX_STAGES + 1),
             },
             None,
             {"malformed_topology": 1},
@@ -354,7 +374,7 @@ def reported(receiver: SpanReceiver) -> list[Topology]:
         (
             "a scalar where a list belongs",
             API_PROCESS,
-            {**THREE_STAGES, pipeline_report.STAGE_IDS: 0},
+            {**THREE_STAGES, PIPELINE_STAGE_IDS: 0},
             None,
             {"malformed_topology": 1},
         ),
@@ -369,7 +389,7 @@ def test_only_the_targets_well_formed_report_defines_the_topology(
     rejected: dict[str, int],
 ) -> None:
     receiver = receiver_for(FakeSenders(owned={(40, 900)}))
-    receiver.ingest(batch(resource, [(pipeline_report.TOPOLOGY_SPAN, report)]), PROTOBUF)
+    receiver.ingest(batch(resource, [(TOPOLOGY_SPAN, report)]), PROTOBUF)
     topologies = reported(receiver)
     if stages is None:
         assert topologies == []
@@ -383,7 +403,7 @@ def test_a_report_of_an_unrecorded_sender_counts_once_the_tracker_records_it() -
     clock = FakeClock()
     senders = FakeSenders(owned=set())
     receiver = receiver_for(senders, clock)
-    receiver.ingest(batch(API_PROCESS, [(pipeline_report.TOPOLOGY_SPAN, THREE_STAGES)]), PROTOBUF)
+    receiver.ingest(batch(API_PROCESS, [(TOPOLOGY_SPAN, THREE_STAGES)]), PROTOBUF)
     assert reported(receiver) == []
     clock.advance(1.0)
     senders.owned = {(40, 900)}
@@ -393,7 +413,7 @@ def test_a_report_of_an_unrecorded_sender_counts_once_the_tracker_records_it() -
 
 def test_a_report_in_json_is_read_the_same() -> None:
     receiver = receiver_for(FakeSenders(owned={(40, 900)}))
-    body = batch(API_PROCESS, [(pipeline_report.TOPOLOGY_SPAN, THREE_STAGES)])
+    body = batch(API_PROCESS, [(TOPOLOGY_SPAN, THREE_STAGES)])
     request = ExportTraceServiceRequest.FromString(body)
     as_json = json_format.MessageToJson(request).encode()
     # OTLP JSON writes ids in hex, protobuf's JSON in base64.

@@ -56,7 +56,11 @@ class Faults:
     directory: Path
 
     def arm(self, stage_id: int, word: str) -> None:
-        (self.directory / f"stage-{stage_id}").write_text(word)
+        # The stage reads the file at every forward: renamed into place, it never sees a
+        # half-written word (`slow:` without its seconds would make the forward raise).
+        staged = self.directory / f".stage-{stage_id}.new"
+        staged.write_text(word)
+        staged.replace(self.directory / f"stage-{stage_id}")
 
     def disarm(self, stage_id: int) -> None:
         (self.directory / f"stage-{stage_id}").unlink(missing_ok=True)

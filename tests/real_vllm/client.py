@@ -45,14 +45,19 @@ def chat_body(max_tokens: int, stream: bool = False) -> dict[str, Any]:
     }
 
 
-async def chat(session: aiohttp.ClientSession, url: str, max_tokens: int = 8) -> int:
+async def answer(session: aiohttp.ClientSession, url: str, max_tokens: int = 8) -> tuple[int, str]:
+    """A chat completion's status, and the start of its body when it failed."""
     async with session.post(
         url + "/v1/chat/completions",
         json=chat_body(max_tokens),
         timeout=aiohttp.ClientTimeout(total=60),
     ) as response:
-        await response.read()
-        return response.status
+        body = await response.text()
+        return response.status, "" if response.status == 200 else body[:500]
+
+
+async def chat(session: aiohttp.ClientSession, url: str, max_tokens: int = 8) -> int:
+    return (await answer(session, url, max_tokens))[0]
 
 
 class Stream:

@@ -28,6 +28,7 @@ from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import load_config, merge_layers
 from omni_watchdog.demo import free_port, wait_for
+from omni_watchdog.factory import build_watchdog
 from omni_watchdog.log import configure_logging
 from omni_watchdog.process_start import start_time
 
@@ -266,10 +267,10 @@ async def watching(
             overrides or {},
         ),
     )
-    watchdog = Watchdog(config, SystemClock())
+    watchdog = await build_watchdog(config, clock=SystemClock())
     await watchdog.start()
     try:
-        await wait_for(lambda: watchdog.last_report and watchdog.last_report.warmed_up, 30)
+        await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 30)
         yield watchdog
     finally:
         await watchdog.stop()

@@ -1,7 +1,7 @@
 """End to end: the watchdog against the real vLLM server (CPU build, tiny local model).
 
 The tests that do not harm the server share one; each destructive test starts its own.
-A hang is made the way DESIGN.md section 8 measured it: SIGSTOP of the EngineCore (or of
+A hang is made the way docs/design.md, The problem, measured it: SIGSTOP of the EngineCore (or of
 its Worker), death by SIGKILL of the EngineCore. Only processes a test started are signalled.
 """
 
@@ -30,6 +30,7 @@ from real_vllm.server import VllmServer, watching
 
 from omni_watchdog.demo import wait_for
 from omni_watchdog.probes.span_store import SpanRecord
+from omni_watchdog.semconv import HEARTBEAT_SPAN, VLLM_REQUEST_SPAN
 from omni_watchdog.types import (
     EvidenceKind,
     IncidentOutcome,
@@ -63,21 +64,21 @@ SLOWER_THAN_VLLM: dict[str, Any] = {
 
 
 def recorded_crash(incident: Any) -> bool:
-    return incident.outcome is IncidentOutcome.CRASHED or "crashed" in incident.cause
+    return incident.outcome is IncidentOutcome.CRASHED or incident.crashed
 
 
 def stage_evidence(watchdog: Any) -> set[EvidenceKind]:
-    report = watchdog.last_report
+    report = watchdog.state.report
     statuses = report.statuses if report else ()
     return {e.kind for status in statuses if status.stage == STAGE for e in status.evidence}
 
 
 def is_request_of(span: SpanRecord, max_tokens: int) -> bool:
-    return span.name == "llm_request" and span.completion_tokens == max_tokens
+    return span.name == VLLM_REQUEST_SPAN and span.completion_tokens == max_tokens
 
 
 def is_heartbeat_of(span: SpanRecord, pid: int) -> bool:
-    return span.name == "omni.stage.loop" and span.pid == pid
+    return span.name == HEARTBEAT_SPAN and span.pid == pid
 
 
 def test_attaches_maps_the_tree_and_sees_spans_and_progress(
@@ -135,7 +136,7 @@ def test_plugin_heartbeats_arrive_from_the_engine_core(
                 lambda: [
                     s
                     for s in all_spans(watchdog)
-                    if s.name == "omni.stage.loop" and s.pid == engine.pid
+                    if s.name == HEARTBEAT_SPAN and s.pid == engine.pid
                 ],
                 10,
             )

@@ -6,8 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.sim.sim_helpers import Sim
+from sim.sim_helpers import Sim
 
 
 @pytest.fixture

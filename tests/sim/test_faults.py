@@ -1,4 +1,4 @@
-"""One test per row of DESIGN.md section 7's fault table: what the server does (no watchdog)."""
+"""One test per row of the fault table (docs/design.md, Fault table): the server, no watchdog."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import Any
 
 import psutil
 import pytest
-
-from tests.sim.sim_helpers import CONFIGS, Sim, wait_until
+from sim.sim_helpers import CONFIGS, Sim, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -154,7 +153,10 @@ def test_orphaned_stages(sim: Sim, generation: str) -> None:
 @BOTH
 def test_slow_but_alive_is_ten_times_slower_with_tokens_flowing(sim: Sim, generation: str) -> None:
     start(sim, generation, "--fault", "1:slow-but-alive", "--token-delay", "0.02")
-    tokens = lambda: sim.metric("vllm:generation_tokens_total", stage="1", replica="0")  # noqa: E731
+
+    def tokens() -> float:
+        return sim.metric("vllm:generation_tokens_total", stage="1", replica="0")
+
     answers: list[int] = []
     began = time.monotonic()
     request = threading.Thread(target=lambda: answers.append(sim.chat(timeout=10).status))

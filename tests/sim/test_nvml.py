@@ -8,10 +8,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sim.sim_helpers import wait_until
 
 from omni_watchdog.sim import nvml
 from omni_watchdog.sim.nvml import GIB, GpuAllocations, NVMLError, SimulatedNvml, write_devices
-from tests.sim.sim_helpers import wait_until
 
 
 def fake_table(table: dict[int, tuple[float, bool]]) -> nvml.ProcessLookup:

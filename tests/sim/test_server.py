@@ -8,8 +8,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from tests.sim.sim_helpers import CONFIGS, V030_CONFIG, Sim, wait_until
+from sim.sim_helpers import CONFIGS, V030_CONFIG, Sim, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,142 @@
+"""What a state says, in the words the API and the exposition share: pure functions of
+a `WatchdogState`, so both show the same answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_watchdog.policy.incidents import to_jsonable
+from omni_watchdog.types import Incident, StageState, WatchdogState
+
+# Liveness is about progress: slow (degraded) still passes, as vLLM's own /health would.
+_LIVE_STATES = (StageState.HEALTHY, StageState.DEGRADED)
+
+
+def target_health(state: WatchdogState) -> tuple[int, str]:
+    """200 only while every stage is healthy or degraded; else 503 and the reason."""
+    report = state.report
+    if not state.target.up:
+        if state.target.by_process:
+            return 503, "target server process not found"
+        return 503, "target server does not answer /health"
+    if report is None:
+        return 503, "no evaluation yet"
+    bad = [s for s in report.statuses if s.state not in _LIVE_STATES]
+    if not bad:
+        return 200, "every stage is healthy or degraded"
+    reasons = []
+    for status in bad:
+        why = "; ".join(e.detail for e in status.evidence[:2])
+        reasons.append(
+            f"stage {status.stage} ({status.name}) {status.state.value}"
+            + (f": {why}" if why else "")
+        )
+    return 503, "\n".join(reasons)
+
+
+def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
+    """Everything /v1/status shows: stages, target, processes, probes, incidents."""
+
+    def wall(monotonic_time: float | None) -> float | None:
+        return None if monotonic_time is None else state.wall(monotonic_time)
+
+    report = state.report
+    gpu_by_pid = state.gpu.used_by_pid if state.gpu is not None else {}
+    stages = []
+    for status in report.statuses if report else ():
+        pids = [
+            p.pid for p in state.processes if p.stage == status.stage and p.status.value != "exited"
+        ]
+        heartbeat = status.last_heartbeat
+        requests = report.requests.get(status.stage.stage_id) if report else None
+        stages.append(
+            {
+                "stage_id": status.stage.stage_id,
+                "replica": status.stage.replica,
+                "name": status.name,
+                "state": status.state.value,
+                "since": wall(status.since),
+                "evidence": [
+                    {"kind": e.kind.value, "since": wall(e.since), "detail": e.detail}
+                    for e in status.evidence
+                ],
+                "pids": pids,
+                "gpu_memory_bytes": sum(gpu_by_pid.get(pid, 0) for pid in pids),
+                "heartbeat_age_seconds": None if heartbeat is None else now - heartbeat,
+                "last_progress": wall(status.last_progress),
+                "in_flight": requests.in_flight if requests else 0,
+                "overdue": requests.overdue if requests else 0,
+            }
+        )
+    target = state.target
+    health = target.health
+    current = state.remediation.open_incident
+    last_evaluation = state.self_health.last_evaluation
+    return {
+        "mode": state.remediation.mode.value,
+        "target": {
+            "url": target.url,
+            "pid": target.root.pid if target.root else None,
+            "alive": target.up,
+            "generation": target.generation,
+            "warmed_up": bool(report and report.warmed_up),
+            "health": None
+            if health is None
+            else {"outcome": to_jsonable(health.outcome), "detail": health.detail},
+        },
+        "topology": {
+            "source": state.topology.source,
+            "stages": [to_jsonable(stage) for stage in state.topology.stages],
+        },
+        "stages": stages,
+        "processes": [
+            {
+                "pid": p.pid,
+                "ppid": p.ppid,
+                "pgid": p.pgid,
+                "sid": p.sid,
+                "title": p.title,
+                "role": p.role.value,
+                "stage": None if p.stage is None else str(p.stage),
+                "status": p.status.value,
+                "orphaned": p.orphaned,
+                "gpu_memory_bytes": gpu_by_pid.get(p.pid, 0),
+            }
+            for p in state.processes
+        ],
+        "probes": {
+            h.name: {
+                "up": h.up,
+                "errors_total": h.errors_total,
+                "last_error": h.last_error,
+                "duration_seconds": h.last_duration,
+            }
+            for h in sorted(state.probes, key=lambda h: h.name)
+        },
+        "gpu": to_jsonable(state.gpu),
+        "incident": None if current is None else current.incident_id,
+        "remediation_budget_remaining": state.remediation.budget_remaining,
+        "lock": to_jsonable(state.remediation.lock),
+        "watchdog": {
+            "evaluation_age_seconds": None if last_evaluation is None else now - last_evaluation,
+            "internal_errors": dict(state.self_health.internal_errors),
+            "state_write_errors": state.self_health.state_write_errors,
+            "last_state_write_error": state.self_health.last_state_write_error,
+        },
+    }
+
+
+def incident_summary(incident: Incident) -> dict[str, Any]:
+    return {
+        "incident_id": incident.incident_id,
+        "mode": incident.mode.value,
+        "opened": incident.opened,
+        "closed": incident.closed,
+        "cause": incident.cause,
+        "outcome": incident.outcome.value,
+        "steps": [
+            {"step": s.step.value, "outcome": s.outcome.value, "duration": s.duration}
+            for s in incident.steps
+        ],
+        "bundle_dir": incident.bundle_dir,
+    }

@@ -1,0 +1,250 @@
+"""Builds a watchdog from its config and the world it is given.
+
+Every component is made here, with keyword arguments, in dependency order; `Watchdog`
+receives them finished and only runs the loops. What touches the world (time, the
+process table, NVML, the server's own config, the HTTP session) comes in as arguments,
+so a test builds the same watchdog over fakes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+import psutil
+
+from omni_watchdog import process_start
+from omni_watchdog.app import CANARY_CHECK_EVERY, SPANS_EVERY, Watchdog
+from omni_watchdog.config import WatchdogConfig
+from omni_watchdog.detector import Detector
+from omni_watchdog.exporters.api import JsonApi
+from omni_watchdog.exporters.prometheus import MetricsExposition
+from omni_watchdog.exporters.traces import IncidentTraces
+from omni_watchdog.policy.actuators import Actuators, SignalGuard
+from omni_watchdog.policy.capture import Capturer, find_py_spy
+from omni_watchdog.policy.core import Policy
+from omni_watchdog.policy.incidents import (
+    BundleWriter,
+    EnforcementBudget,
+    IncidentJournal,
+    StateWriteErrors,
+    TargetLock,
+    lock_dir_for,
+)
+from omni_watchdog.policy.inspect import read_condition
+from omni_watchdog.policy.ladder import LadderRunner, ladder_from_config
+from omni_watchdog.probes.canary import CanaryProbe
+from omni_watchdog.probes.gpu import GpuProbe, load_nvml
+from omni_watchdog.probes.health import HealthProbe
+from omni_watchdog.probes.metrics import MetricsProbe
+from omni_watchdog.probes.processes import ProcessTracker
+from omni_watchdog.probes.server_config import ServerConfigReader
+from omni_watchdog.probes.span_store import SpanStore
+from omni_watchdog.probes.spans import SpanForwarder, SpanReceiver
+from omni_watchdog.self_health import InternalErrors, ProbeBoard
+from omni_watchdog.serving import Listener
+from omni_watchdog.state import StateAssembler
+from omni_watchdog.stats import WatchdogStats
+from omni_watchdog.target import TargetWatch
+from omni_watchdog.topology import TopologySenders, default_topology, load_topology
+from omni_watchdog.types import Clock, Exporter, Nvml, Probe, ProcessTable, Topology
+
+
+async def build_watchdog(
+    config: WatchdogConfig,
+    *,
+    clock: Clock,
+    process_table: ProcessTable = psutil,
+    nvml: Nvml[Any] | None = None,
+    topology: Topology | None = None,
+    start_time: Callable[[int], float] = process_start.start_time,
+    read_server_config: Callable[[int], Topology | None] | None = None,
+) -> Watchdog:
+    """A watchdog ready to `start()`. Without `nvml`, the config's GPU backend is loaded
+    (none for `gpu_backend: none`); without `topology`, the config's stage config is read,
+    or the server's own stages are learned as it runs."""
+    session = aiohttp.ClientSession()
+    try:
+        return _assemble(
+            config,
+            session,
+            clock=clock,
+            process_table=process_table,
+            nvml=nvml if nvml is not None else load_nvml(config.probes.gpu_backend),
+            topology=topology
+            or (load_topology(config.stage_config) if config.stage_config else default_topology()),
+            start_time=start_time,
+            read_server_config=read_server_config or ServerConfigReader().read,
+        )
+    except BaseException:
+        await session.close()
+        raise
+
+
+def _assemble(
+    config: WatchdogConfig,
+    session: aiohttp.ClientSession,
+    *,
+    clock: Clock,
+    process_table: ProcessTable,
+    nvml: Nvml[Any] | None,
+    topology: Topology,
+    start_time: Callable[[int], float],
+    read_server_config: Callable[[int], Topology | None],
+) -> Watchdog:
+    probes = config.probes
+    enabled = set(probes.enabled)
+    target_url = config.target
+    port = urlparse(target_url).port or (443 if target_url.startswith("https") else 80)
+    state_dir = config.resolved_state_dir()
+    errors = InternalErrors()
+    board = ProbeBoard(enabled)
+    write_errors = StateWriteErrors()
+    detector = Detector(config.detection, topology, clock.monotonic())
+
+    tracker = ProcessTracker(
+        process_table,
+        clock,
+        own_pid=os.getpid(),
+        target_port=None if config.pid else port,
+        pid=config.pid or None,
+        topology=topology,
+        start_time=start_time,
+        server_topology=read_server_config,
+    )
+    # Without the process probe nothing records the senders' processes: spans are then
+    # judged only against the topology.
+    senders = None if "processes" in enabled else TopologySenders(topology)
+    store = SpanStore(config.spans.ring_size)
+    receiver = SpanReceiver(
+        config.spans,
+        clock,
+        store,
+        SpanForwarder(session, config.spans.forward_endpoint)
+        if config.spans.forward_endpoint
+        else None,
+        senders=senders or tracker,
+        token=config.otlp_token,
+        boot_id=process_start.boot_id(),
+        # A new process's spans wait for the tracker's next scans before they count as a
+        # stranger's.
+        sender_grace=max(2.0, 4 * probes.interval),
+    )
+    gpu = GpuProbe(nvml, clock, tracker.stage_of) if nvml is not None else None
+    if gpu is None and "gpu" in enabled:
+        board.failed("gpu", "no NVML backend (gpu_backend none)")
+    target = TargetWatch(
+        target_url,
+        tracker,
+        gpu,
+        process_table,
+        start_time,
+        by_process="processes" in enabled,
+        on_gpu_failure=lambda reason: board.failed("gpu", reason),
+    )
+    periodic: list[tuple[Probe, float]] = [
+        (tracker, probes.interval),
+        (HealthProbe(session, target_url, probes, clock), probes.health_interval),
+        (MetricsProbe(session, target_url, probes, clock), probes.metrics_interval),
+        (
+            CanaryProbe(session, target_url, probes, clock, detector.last_progress),
+            CANARY_CHECK_EVERY,
+        ),
+        (receiver, SPANS_EVERY),
+    ]
+    if gpu is not None:
+        periodic.append((gpu, probes.interval))
+    periodic = [(probe, every) for probe, every in periodic if probe.name in enabled]
+
+    bundles = BundleWriter(state_dir / "incidents", write_errors)
+    actuators = Actuators(
+        SignalGuard(process_table, tracker.is_recorded, start_time=start_time), session
+    )
+    capture = Capturer(
+        actuators,
+        session,
+        bundles,
+        clock,
+        config.ladder.capture_timeout,
+        target_url,
+        probes.health_path,
+        probes.metrics_path,
+        store.to_jsonable,
+        target.last_gpu,
+        lambda info: target.alive(info.identity),
+        find_py_spy(),
+    )
+    runner = LadderRunner(
+        ladder_from_config(config.ladder),
+        config.ladder,
+        actuators,
+        capture,
+        target.read_gpu,
+        target.alive,
+        clock,
+        config.resolved_admin_url(),
+        config.admin_token,
+        server_gone=target.gone,
+        inspect=lambda identity: read_condition(identity, process_table),
+        report=bundles.write_json,
+    )
+    policy = Policy(
+        config.mode,
+        runner,
+        IncidentJournal(state_dir / "journal.jsonl", write_errors),
+        EnforcementBudget(config.ladder.budget_per_hour),
+        TargetLock(lock_dir_for(state_dir, os.environ)),
+        bundles,
+        clock,
+        target.alive,
+        errors.record,
+    )
+    stats = WatchdogStats()
+    stats.ignore_closed(policy.incidents())
+
+    listeners: dict[str, Listener] = {}
+    assembler = StateAssembler(
+        clock=clock,
+        target=target,
+        tracker=tracker,
+        receiver=receiver,
+        policy=policy,
+        stats=stats,
+        probes=board,
+        errors=errors,
+        write_errors=write_errors,
+        listeners=listeners,
+    )
+    first = assembler.make(topology, None, None)
+    exposition = MetricsExposition(clock, first)
+    api = JsonApi(clock, first, exposition, bundles.names)
+    exporters: list[Exporter] = [exposition, api]
+    traces = IncidentTraces(config.otlp_export_endpoint) if config.otlp_export_endpoint else None
+    if traces is not None:
+        exporters.append(traces)
+    return Watchdog(
+        config=config,
+        clock=clock,
+        session=session,
+        topology=topology,
+        detector=detector,
+        tracker=tracker,
+        senders=senders,
+        receiver=receiver,
+        store=store,
+        periodic=tuple(periodic),
+        target=target,
+        policy=policy,
+        stats=stats,
+        probes=board,
+        errors=errors,
+        assembler=assembler,
+        listeners=listeners,
+        api=api,
+        exposition=exposition,
+        exporters=tuple(exporters),
+        traces=traces,
+    )

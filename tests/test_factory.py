@@ -1,0 +1,60 @@
+"""The composition root: a watchdog built from fakes is whole before it starts.
+
+The first release's exporters read attributes that existed only after `start()`, so a
+built watchdog could not render its own /metrics. Now the factory hands every exporter a
+first state: a watchdog that was built and never started (or failed to start) still
+renders every family, serves its status, and stops cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+from fakes import FakeDevice, FakeNvml, FakePsutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from omni_watchdog.clock import FakeClock
+from omni_watchdog.config import load_config
+from omni_watchdog.exporters.prometheus import FAMILY_NAMES
+from omni_watchdog.factory import build_watchdog
+
+
+def test_a_built_watchdog_renders_and_serves_before_it_starts(tmp_path: Path) -> None:
+    config = load_config(
+        None,
+        overrides={"target": "http://127.0.0.1:8000", "state_dir": str(tmp_path / "state")},
+        environ={},
+    )
+
+    async def scenario() -> tuple[str, int, dict[str, Any]]:
+        watchdog = await build_watchdog(
+            config,
+            clock=FakeClock(1000.0, 1_700_000_000.0),
+            process_table=FakePsutil(),
+            nvml=FakeNvml([FakeDevice(used=2**30, total=2**34, utilization=0)]),
+        )
+        try:
+            body = watchdog.exposition.render().decode()
+            async with TestClient(TestServer(watchdog.api.app())) as client:
+                healthz = await client.get("/healthz")
+                status = await (await client.get("/v1/status")).json()
+            return body, healthz.status, status
+        finally:
+            await watchdog.stop()
+
+    body, healthz, status = asyncio.run(scenario())
+    names = {family.name for family in text_string_to_metric_families(body)}
+    assert names == {name.removesuffix("_total") for name in FAMILY_NAMES}
+    # Not evaluating yet: the watchdog says so rather than claiming health.
+    assert healthz == 503
+    assert status["mode"] == config.mode.value
+    assert status["stages"] == []
+    assert status["topology"]["source"] == "default"
+    # Before the first evaluation the one default stage is starting, nothing worse.
+    assert (
+        'omni_watchdog_stage_state{stage="0",stage_name="engine",replica="0",state="starting"} 1'
+        in body
+    )
