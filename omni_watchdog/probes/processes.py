@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -249,7 +248,7 @@ class ProcessTracker:
         snapshots = await asyncio.to_thread(self._read_identities, tuple(identities))
         adopted = tuple(
             # Named as the journal named it: the ladder's guards compare with that.
-            dataclasses.replace(
+            replace(
                 snapshot.info(ProcessRole.API if identity == root else ProcessRole.HELPER),
                 create_time=identity.create_time,
             )
