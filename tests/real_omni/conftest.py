@@ -16,13 +16,11 @@ from real_omni.server import (
     OMNI_PYTHON,
     OMNI_STAMP,
     READY_TIMEOUT,
-    Faults,
+    OmniServer,
     omni_environment,
     start_omni_server,
 )
 from real_vllm.server import VllmServer, installed_python, make_tiny_model
-
-OmniServer = tuple[VllmServer, Faults]
 
 
 @pytest.fixture(scope="session")

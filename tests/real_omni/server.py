@@ -66,6 +66,10 @@ class Faults:
         (self.directory / f"stage-{stage_id}").unlink(missing_ok=True)
 
 
+# A started server and the fault files of its stages.
+OmniServer = tuple[VllmServer, Faults]
+
+
 def start_omni_server(
     model: Path,
     workdir: Path,

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from e2e.harness import state
-from real_omni.server import STAGES, Faults, engine_of, watched
+from real_omni.server import STAGES, OmniServer, engine_of, watched
 from real_vllm.client import (
     LONG_REQUEST,
     Stream,
@@ -37,7 +37,6 @@ from omni_watchdog.types import (
 # A server of its own takes two minutes and more to start on two busy cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-OmniServer = tuple[VllmServer, Faults]
 LOAD_SECONDS = 180.0
 
 

@@ -18,13 +18,12 @@ import aiohttp
 import pytest
 from e2e.harness import RECOVERED, incident_done
 from real_omni.judging import in_background, verdict_on, wait_for_async
-from real_omni.server import Faults, engine_of, watched
+from real_omni.server import OmniServer, engine_of, watched
 from real_vllm.client import (
     evidence_kinds,
     gone,
     health_status,
 )
-from real_vllm.server import VllmServer
 
 from omni_watchdog.types import (
     EvidenceKind,
@@ -36,14 +35,11 @@ from omni_watchdog.types import (
 # A server of its own takes two minutes and more to start on two busy cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-OmniServer = tuple[VllmServer, Faults]
-
 
 def test_forward_that_raises_kills_the_stage_and_the_server_is_ended(
     fresh_omni: Callable[..., OmniServer], tmp_path: Path
 ) -> None:
     server, faults = fresh_omni()
-    server.tree()
     code2wav = StageRef(2)
 
     async def scenario() -> None:
@@ -90,7 +86,6 @@ def test_worker_dying_on_its_first_forward_right_after_attach_is_judged_and_ende
     fresh_omni: Callable[..., OmniServer], tmp_path: Path
 ) -> None:
     server, faults = fresh_omni()
-    server.tree()
     thinker = StageRef(0)
 
     async def scenario() -> None:

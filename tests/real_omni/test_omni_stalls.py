@@ -17,13 +17,12 @@ import aiohttp
 import pytest
 from e2e.harness import RECOVERED, incident_done, state
 from real_omni.judging import in_background, step_of, verdict_on
-from real_omni.server import Faults, engine_of, watched
+from real_omni.server import OmniServer, engine_of, watched
 from real_vllm.client import (
     evidence_kinds,
     gone,
     health_status,
 )
-from real_vllm.server import VllmServer
 
 from omni_watchdog.demo import wait_for
 from omni_watchdog.types import (
@@ -38,14 +37,11 @@ from omni_watchdog.types import (
 # A server of its own takes two minutes and more to start on two busy cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-OmniServer = tuple[VllmServer, Faults]
-
 
 def test_blocked_forward_is_stalled_and_ended_through_admin_shutdown(
     fresh_omni: Callable[..., OmniServer], tmp_path: Path
 ) -> None:
     server, faults = fresh_omni()
-    server.tree()
     talker = StageRef(1)
 
     async def scenario() -> None:
