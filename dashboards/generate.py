@@ -547,6 +547,22 @@ def watchdog(layout: Layout) -> None:
     )
     layout.add(
         timeseries(
+            "Time the watchdog could not run",
+            "Share of time the watchdog's own event loop was starved or blocked; that time"
+            " is not held against the server, so a hang is judged later by as much.",
+            [
+                target(
+                    f"rate(omni_watchdog_blind_seconds_total{{{INSTANCE}}}[$__rate_interval])",
+                    "{{instance}}",
+                )
+            ],
+            unit="percentunit",
+        ),
+        8,
+        8,
+    )
+    layout.add(
+        timeseries(
             "Internal errors by loop",
             "Exceptions caught in each of the watchdog's loops in each interval.",
             [

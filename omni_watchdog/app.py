@@ -31,7 +31,7 @@ from omni_watchdog.policy.core import Policy
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import SpanReceiver
-from omni_watchdog.self_health import InternalErrors, ProbeBoard
+from omni_watchdog.self_health import SIGHT_EVERY, InternalErrors, LoopSight, ProbeBoard
 from omni_watchdog.serving import (
     Listener,
     ListenerLimits,
@@ -82,6 +82,7 @@ class Watchdog:
         probes: ProbeBoard,
         errors: InternalErrors,
         assembler: StateAssembler,
+        sight: LoopSight,
         listeners: dict[str, Listener],
         api: JsonApi,
         exposition: MetricsExposition,
@@ -109,6 +110,7 @@ class Watchdog:
         self._probes = probes
         self._errors = errors
         self._assembler = assembler
+        self._sight = sight
         self.api = api
         self._exporters = exporters
         self.traces = traces
@@ -134,6 +136,7 @@ class Watchdog:
         for probe, every in self._periodic:
             self._spawn(self._probe_loop(probe, every))
         self._spawn(self._evaluate_loop())
+        self._spawn(self._sight_loop())
         await self.policy.resume(self.target.snapshot_of_entry)
         log_event(
             logger,
@@ -198,6 +201,8 @@ class Watchdog:
             await asyncio.sleep(max(0.0, every - took))
 
     def _take(self, probe: Probe, observations: Sequence[Observation]) -> None:
+        # Before anything that came in after a blind spell is judged, the spell is known.
+        self._sight.look()
         for obs in observations:
             if obs.kind is ObservationKind.TOPOLOGY and obs.topology is not None:
                 try:
@@ -252,6 +257,11 @@ class Watchdog:
             processes=len(self.tracker.recorded()),
         )
 
+    async def _sight_loop(self) -> None:
+        while True:
+            self._sight.look()
+            await asyncio.sleep(SIGHT_EVERY)
+
     async def _evaluate_loop(self) -> None:
         while True:
             try:
@@ -263,6 +273,7 @@ class Watchdog:
 
     def _evaluate(self) -> None:
         """Judge the stages once, hand the report to the policy, and publish the state."""
+        self._sight.look()
         report = self.detector.evaluate(self.clock.monotonic())
         _log_report(report)
         self.stats.count_verdicts(report.verdicts)

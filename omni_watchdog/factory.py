@@ -44,7 +44,7 @@ from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.server_config import ServerConfigReader
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import SpanForwarder, SpanReceiver
-from omni_watchdog.self_health import InternalErrors, ProbeBoard
+from omni_watchdog.self_health import InternalErrors, LoopSight, ProbeBoard
 from omni_watchdog.serving import Listener
 from omni_watchdog.state import StateAssembler
 from omni_watchdog.stats import WatchdogStats
@@ -104,6 +104,7 @@ def _assemble(
     board = ProbeBoard(enabled)
     write_errors = StateWriteErrors()
     detector = Detector(config.detection, topology, clock.monotonic())
+    sight = LoopSight(clock, detector.blind)
 
     tracker = ProcessTracker(
         process_table,
@@ -217,6 +218,8 @@ def _assemble(
         errors=errors,
         write_errors=write_errors,
         listeners=listeners,
+        sight=sight,
+        detector=detector,
     )
     first = assembler.make(topology, None, None)
     exposition = MetricsExposition(clock, first)
@@ -242,6 +245,7 @@ def _assemble(
         probes=board,
         errors=errors,
         assembler=assembler,
+        sight=sight,
         listeners=listeners,
         api=api,
         exposition=exposition,

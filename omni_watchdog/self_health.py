@@ -1,6 +1,7 @@
-"""The watchdog's account of itself: its probes' health and its own errors.
+"""The watchdog's account of itself: its probes' health, its own errors, and whether its
+event loop runs when it should.
 
-Both are written by the loops and read into each `WatchdogState`; a failure is logged
+All are written by the loops and read into each `WatchdogState`; a failure is logged
 once per distinct reason and always counted, so a loop that fails at every turn neither
 floods the log nor goes unseen.
 """
@@ -8,16 +9,24 @@ floods the log nor goes unseen.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from omni_watchdog.log import log_event
-from omni_watchdog.types import ProbeHealth
+from omni_watchdog.types import Clock, ProbeHealth
 
 logger = logging.getLogger("omni_watchdog.app")
 
 INTERNAL_ERROR_LOOPS = ("evaluate", "ingest", "ladder", "listener")
 # Distinct internal errors logged with their traceback; repeats are only counted.
 _LOGGED_ERRORS_LIMIT = 256
+# The sight loop looks this often. A gap between looks longer than BLIND_AFTER means the
+# loop could not run: scheduling jitter is milliseconds; a process starved of CPU by the
+# server it watches, measured on two cores, stops for tenths of seconds up to 3 s.
+SIGHT_EVERY = 0.1
+BLIND_AFTER = 0.2
+# A spell this long is logged, at most once per LOG_BLIND_EVERY with the count between.
+LOGGED_BLIND_SPELL = 1.0
+LOG_BLIND_EVERY = 60.0
 
 
 class InternalErrors:
@@ -72,3 +81,50 @@ class ProbeBoard:
 
     def _get(self, name: str) -> ProbeHealth:
         return self._health.get(name) or ProbeHealth(name)
+
+
+class LoopSight:
+    """Whether the watchdog's event loop runs when it should.
+
+    The sight loop looks every `SIGHT_EVERY`, and so does every probe result before it is
+    taken in. A look that comes more than `BLIND_AFTER` after the one before means nothing
+    ran in between: the spell is handed to `on_blind` (the detector, which then does not
+    count it as the server's silence) and counted for `/metrics`.
+    """
+
+    def __init__(self, clock: Clock, on_blind: Callable[[float, float], None]) -> None:
+        self._clock = clock
+        self._on_blind = on_blind
+        self._last_look: float | None = None
+        self._last_logged: float | None = None
+        self._unlogged = 0
+        self.blind_seconds = 0.0
+        self.blind_spells = 0
+
+    def look(self) -> None:
+        now = self._clock.monotonic()
+        last, self._last_look = self._last_look, now
+        if last is None or now - last <= BLIND_AFTER:
+            return
+        # The loop was due to run one period after the last look; blind from then on.
+        start = last + SIGHT_EVERY
+        self.blind_seconds += now - start
+        self.blind_spells += 1
+        self._on_blind(start, now)
+        if now - start >= LOGGED_BLIND_SPELL:
+            self._log(now, now - start)
+
+    def _log(self, now: float, seconds: float) -> None:
+        if self._last_logged is not None and now - self._last_logged < LOG_BLIND_EVERY:
+            self._unlogged += 1
+            return
+        log_event(
+            logger,
+            "watchdog_blind",
+            logging.WARNING,
+            seconds=round(seconds, 2),
+            long_spells_unlogged=self._unlogged,
+            hint="the watchdog's own loop could not run: give it CPU of its own",
+        )
+        self._last_logged = now
+        self._unlogged = 0

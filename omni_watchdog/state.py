@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from omni_watchdog.detector import Detector
 from omni_watchdog.policy.core import Policy
 from omni_watchdog.policy.incidents import StateWriteErrors
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.spans import SpanReceiver
-from omni_watchdog.self_health import InternalErrors, ProbeBoard
+from omni_watchdog.self_health import InternalErrors, LoopSight, ProbeBoard
 from omni_watchdog.serving import Listener
 from omni_watchdog.stats import WatchdogStats
 from omni_watchdog.target import TargetWatch
@@ -40,6 +41,8 @@ class StateAssembler:
         errors: InternalErrors,
         write_errors: StateWriteErrors,
         listeners: Mapping[str, Listener],
+        sight: LoopSight,
+        detector: Detector,
     ) -> None:
         """`listeners` is read at each state: the watchdog fills it as it binds them."""
         self._clock = clock
@@ -52,6 +55,8 @@ class StateAssembler:
         self._errors = errors
         self._write_errors = write_errors
         self._listeners = listeners
+        self._sight = sight
+        self._detector = detector
 
     def make(
         self,
@@ -102,4 +107,7 @@ class StateAssembler:
             connections_closed={
                 name: dict(listener.closed) for name, listener in self._listeners.items()
             },
+            blind_seconds=self._sight.blind_seconds,
+            blind_spells=self._sight.blind_spells,
+            set_aside={kind.value: count for kind, count in self._detector.set_aside.items()},
         )

@@ -527,6 +527,11 @@ class SelfHealth:
     last_state_write_error: str
     # Per listener, connections it closed, by reason.
     connections_closed: Mapping[str, Mapping[str, int]]
+    # Time its own event loop could not run, in how many spells, and the /health and
+    # canary timeouts set aside for it, by probe.
+    blind_seconds: float
+    blind_spells: int
+    set_aside: Mapping[str, int]
 
 
 @dataclass(frozen=True)

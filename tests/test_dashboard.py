@@ -169,6 +169,7 @@ def test_panel_ids_are_unique_and_panels_do_not_overlap() -> None:
         ("stat", "omni_watchdog_internal_errors_total"),
         ("stat", "omni_watchdog_state_write_errors_total"),
         ("timeseries", "omni_watchdog_evaluation_age_seconds"),
+        ("timeseries", "omni_watchdog_blind_seconds_total"),
         ("timeseries", "omni_watchdog_internal_errors_total"),
         ("timeseries", "omni_watchdog_state_write_errors_total"),
         ("timeseries", "omni_watchdog_spans_rejected_total"),
@@ -207,6 +208,7 @@ def test_the_watchdogs_own_health_is_in_its_row() -> None:
     shown = " ".join(q["expr"] for p in board[start + 1 : end] for q in p["targets"])
     for family in (
         "omni_watchdog_evaluation_age_seconds",
+        "omni_watchdog_blind_seconds_total",
         "omni_watchdog_internal_errors_total",
         "omni_watchdog_state_write_errors_total",
         "omni_watchdog_target_lock_conflict",

@@ -11,7 +11,10 @@ The rules (docs/design.md, Detection):
 - a verdict needs two independent kinds of evidence, or one held for `confirm_timeout`;
 - `dead` needs a stage process to have exited while the server lives;
 - target-wide evidence (/health, the canary) is charged to the stages that show no
-  liveness of their own, so a healthy stage is not blamed for its neighbour.
+  liveness of their own, so a healthy stage is not blamed for its neighbour;
+- the watchdog's own blindness is not the server's silence: heartbeat and span silence
+  count only the time in which the watchdog could look, and a /health or canary timeout
+  that it was blind for part of says nothing either way.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from omni_watchdog.config import DetectionConfig
-from omni_watchdog.detector.expectations import PendingRequests, RollingQuantile
+from omni_watchdog.detector.expectations import BlindSpells, PendingRequests, RollingQuantile
 from omni_watchdog.types import (
     DetectorReport,
     Evidence,
@@ -85,6 +88,9 @@ class Detector:
 
     def __init__(self, config: DetectionConfig, topology: Topology, start: float) -> None:
         self._config = config
+        # The watchdog's, not the target's: kept across a re-attach.
+        self._blind = BlindSpells()
+        self.set_aside = dict.fromkeys((ObservationKind.HEALTH, ObservationKind.CANARY), 0)
         self.reset(topology, start)
 
     def reset(self, topology: Topology, start: float) -> None:
@@ -133,6 +139,20 @@ class Detector:
         self._pid_stage = {pid: ref for pid, ref in self._pid_stage.items() if ref in self._stages}
 
     # ---- observations -------------------------------------------------------------
+
+    def blind(self, start: float, end: float) -> None:
+        """The watchdog could not look from `start` to `end` (its own loop ran late)."""
+        self._blind.add(start, end)
+
+    def _blind_during(self, obs: Observation) -> bool:
+        """A timeout the watchdog was blind for part of: its answer may have waited unread
+        while the timer ran. Counted, and set aside as neither success nor failure."""
+        if obs.outcome is not HealthOutcome.TIMEOUT:
+            return False
+        if self._blind.within(obs.time - obs.value, obs.time) <= 0:
+            return False
+        self.set_aside[obs.kind] += 1
+        return True
 
     def observe(self, observations: Iterable[Observation]) -> None:
         for obs in observations:
@@ -191,6 +211,8 @@ class Detector:
         memory.load_at = obs.time
 
     def _on_health(self, obs: Observation) -> None:
+        if self._blind_during(obs):
+            return
         if obs.outcome is HealthOutcome.OK:
             if self._first_healthy is None:
                 self._first_healthy = obs.time
@@ -207,6 +229,8 @@ class Detector:
             self._sign(obs.time, f"/health {self._health_detail}")
 
     def _on_canary(self, obs: Observation) -> None:
+        if self._blind_during(obs):
+            return
         if obs.outcome is HealthOutcome.OK:
             self._canary_failed_at = None
             self._canary_detail = ""
@@ -304,7 +328,7 @@ class Detector:
         return self._pending.in_flight(stage_id)
 
     def overdue_count(self, stage_id: int, now: float) -> int:
-        return len(self._pending.overdue(stage_id, self.deadline(stage_id), now))
+        return len(self._pending.overdue(stage_id, self.deadline(stage_id), now, self._blind))
 
     def last_heartbeat(self, ref: StageRef) -> float | None:
         memory = self._stages.get(ref)
@@ -419,26 +443,28 @@ class Detector:
         config = self._config
         found: list[Evidence] = []
         if memory.last_heartbeat is not None:
-            silent = now - memory.last_heartbeat
+            silent = self._blind.seen(memory.last_heartbeat, now)
             if silent > config.heartbeat_timeout:
                 found.append(
                     Evidence(
                         EvidenceKind.HEARTBEAT_LOST,
                         ref,
-                        memory.last_heartbeat + config.heartbeat_timeout,
-                        f"no loop heartbeat for {silent:.1f}s",
+                        now - (silent - config.heartbeat_timeout),
+                        f"no loop heartbeat for {silent:.1f}s"
+                        + _unseen(now - memory.last_heartbeat - silent),
                     )
                 )
         deadline = self.deadline(ref.stage_id)
-        late = self._pending.overdue(ref.stage_id, deadline, now)
+        late = self._pending.overdue(ref.stage_id, deadline, now, self._blind)
         if late:
+            waited = self._blind.seen(late[0].due_since, now)
             found.append(
                 Evidence(
                     EvidenceKind.SPAN_OVERDUE,
                     ref,
-                    late[0].due_since + deadline,
+                    now - (waited - deadline),
                     f"{len(late)} request(s) past the {deadline:.1f}s deadline,"
-                    f" oldest {late[0].request_id}",
+                    f" oldest {late[0].request_id}" + _unseen(now - late[0].due_since - waited),
                 )
             )
         load = self._load(memory, now)
@@ -590,6 +616,12 @@ class Detector:
     def _stage_name(self, ref: StageRef) -> str:
         stage = self._topology.stage(ref.stage_id)
         return stage.name if stage else f"stage{ref.stage_id}"
+
+
+def _unseen(blind: float) -> str:
+    """What evidence says of the watchdog's own blindness, so nobody reads it as the
+    server's: the time is left out of the figure before it."""
+    return f" (and {blind:.1f}s the watchdog itself could not look)" if blind >= 0.05 else ""
 
 
 def _word(obs: Observation) -> str:

@@ -1,10 +1,53 @@
-"""What the detector expects to see: span deadlines learned from each stage's durations."""
+"""What the detector expects to see: span deadlines learned from each stage's durations,
+and the spells in which the watchdog itself could not look."""
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
 from dataclasses import dataclass
+
+# Blind spells kept. The oldest go first, which only shrinks the time set aside: a hang
+# is then judged as early as it would be without the ledger, never later.
+BLIND_SPELLS_KEPT = 1024
+
+
+class BlindSpells:
+    """When the watchdog's own event loop could not run (starved of CPU, or blocked).
+
+    What it did not see then is no evidence against the server: a heartbeat that waited
+    in a socket, or a /health answer read after its timer had fired. Silence is measured
+    in seen time, so a watchdog that is blind a tenth of the time judges a real hang a
+    tenth later, and one that sees nothing judges nothing until it sees again.
+    """
+
+    def __init__(self, kept: int = BLIND_SPELLS_KEPT) -> None:
+        self._spells: deque[tuple[float, float]] = deque(maxlen=kept)
+        self.total = 0.0
+
+    def add(self, start: float, end: float) -> None:
+        """The loop could not run from `start` to `end`; spells come in time order."""
+        if end <= start:
+            return
+        if self._spells and start <= self._spells[-1][1]:
+            first, last = self._spells.pop()
+            self.total -= last - first
+            start, end = min(first, start), max(last, end)
+        self._spells.append((start, end))
+        self.total += end - start
+
+    def within(self, since: float, until: float) -> float:
+        """Seconds of blindness between `since` and `until`."""
+        blind = 0.0
+        for start, end in reversed(self._spells):
+            if end <= since:
+                break
+            blind += max(0.0, min(end, until) - max(start, since))
+        return blind
+
+    def seen(self, since: float, until: float) -> float:
+        """Seconds between `since` and `until` in which the watchdog could look."""
+        return until - since - self.within(since, until)
 
 
 class RollingQuantile:
@@ -102,10 +145,14 @@ class PendingRequests:
             self._dequeue(pending)
         self._early.pop(request_id, None)
 
-    def overdue(self, stage_id: int, deadline: float, now: float) -> list[PendingRequest]:
+    def overdue(
+        self, stage_id: int, deadline: float, now: float, blind: BlindSpells
+    ) -> list[PendingRequest]:
+        """Requests waiting at the stage for more than `deadline` of seen time."""
         late: list[PendingRequest] = []
         for pending in self._by_stage.get(stage_id, {}).values():
-            if now - pending.due_since <= deadline:
+            # Seen time shrinks as `due_since` grows, so the first in time stops the scan.
+            if blind.seen(pending.due_since, now) <= deadline:
                 break
             late.append(pending)
         return late

@@ -151,6 +151,23 @@ FAMILIES = (
         "Seconds since the detector last evaluated the stages, NaN before the first.",
     ),
     (
+        "blind_seconds_total",
+        "counter",
+        "Seconds the watchdog's own event loop could not run (starved of CPU or blocked);"
+        " silence in them is not held against the server.",
+    ),
+    (
+        "blind_spells_total",
+        "counter",
+        "Times the watchdog's own event loop could not run for longer than 0.2 s.",
+    ),
+    (
+        "probe_timeouts_set_aside_total",
+        "counter",
+        "/health and canary timeouts not counted as failures: the watchdog itself could not"
+        " look for part of their wait.",
+    ),
+    (
         "state_write_errors_total",
         "counter",
         "Writes to the state directory (journal, bundles) that failed; remediation went on"
@@ -514,6 +531,15 @@ class MetricsExposition:
         out += (
             _HEADERS["evaluation_age_seconds"],
             f"{PREFIX}evaluation_age_seconds {number(age)}",
+            _HEADERS["blind_seconds_total"],
+            f"{PREFIX}blind_seconds_total {number(health.blind_seconds)}",
+            _HEADERS["blind_spells_total"],
+            f"{PREFIX}blind_spells_total {health.blind_spells}",
+            _HEADERS["probe_timeouts_set_aside_total"],
+        )
+        out += (
+            f'{PREFIX}probe_timeouts_set_aside_total{{probe="{probe}"}} {count}'
+            for probe, count in sorted(health.set_aside.items())
         )
         out += (
             _HEADERS["state_write_errors_total"],

@@ -11,7 +11,11 @@ from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector import Detector
 from omni_watchdog.detector.core import MAX_EXTRA_STAGES, MAX_PROCESSES_PER_STAGE
-from omni_watchdog.detector.expectations import EARLY_SPANS_PER_REQUEST, PendingRequests
+from omni_watchdog.detector.expectations import (
+    EARLY_SPANS_PER_REQUEST,
+    BlindSpells,
+    PendingRequests,
+)
 from omni_watchdog.types import (
     DetectorReport,
     EvidenceKind,
@@ -554,7 +558,7 @@ def test_early_stage_spans_are_kept_within_a_bound() -> None:
         pending.admit(f"r{index}", (0, 1), 1.0)
     # r0 and r1 were dropped for later ones: they wait at stage 0, the kept ones at stage 1.
     assert pending.in_flight(0) == 2 and pending.in_flight(1) == 3
-    assert [p.request_id for p in pending.overdue(1, 0.0, 2.0)] == ["r2", "r3", "r4"]
+    assert [p.request_id for p in pending.overdue(1, 0.0, 2.0, BlindSpells())] == ["r2", "r3", "r4"]
 
 
 def test_zombie_helper_is_reported_not_judged() -> None:

@@ -45,6 +45,8 @@ RECOVERED = {
     IncidentOutcome.RECOVERED_BY_TERM,
     IncidentOutcome.RECOVERED_BY_KILL,
 }
+# A shutdown request the server took, whether or not it was gone within the grace.
+ACCEPTED = {StepOutcome.RECOVERED, StepOutcome.NOT_RECOVERED}
 
 
 async def warmed_up(watchdog: Any) -> None:
@@ -54,6 +56,22 @@ async def warmed_up(watchdog: Any) -> None:
 def state(watchdog: Any, stage: StageRef) -> StageState | None:
     report = watchdog.state.report
     return next((s.state for s in report.statuses if s.stage == stage), None) if report else None
+
+
+def worse_than_degraded(watchdog: Any, stages: Any) -> list[str]:
+    """Each of `stages` the last evaluation did not judge healthy or degraded, with its
+    evidence: what a test that must never see one prints when it does."""
+    report = watchdog.state.report
+    statuses = {s.stage: s for s in report.statuses} if report else {}
+    found = []
+    for stage in stages:
+        status = statuses.get(stage)
+        if status is None:
+            found.append(f"{stage}: not in the report")
+        elif status.state not in (StageState.HEALTHY, StageState.DEGRADED):
+            reasons = "; ".join(f"{e.kind.value}: {e.detail}" for e in status.evidence)
+            found.append(f"{stage}: {status.state.value} ({reasons})")
+    return found
 
 
 async def incident_done(watchdog: Any, timeout: float = 40.0) -> Any:

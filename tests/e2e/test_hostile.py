@@ -14,7 +14,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e.harness import FAST, SIM_ENV, in_background, incident_done, warmed_up, with_fault
+from e2e.harness import (
+    ACCEPTED,
+    FAST,
+    RECOVERED,
+    SIM_ENV,
+    in_background,
+    incident_done,
+    step,
+    warmed_up,
+    with_fault,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
@@ -42,7 +52,14 @@ from omni_watchdog.semconv import (
     STAGE_ID,
     STAGE_REQUEST_SPAN,
 )
-from omni_watchdog.types import IncidentOutcome, Mode, ProcessIdentity, StageRef, StageState
+from omni_watchdog.types import (
+    IncidentOutcome,
+    Mode,
+    ProcessIdentity,
+    StageRef,
+    StageState,
+    StepName,
+)
 
 pytestmark = pytest.mark.e2e
 S0, S1 = StageRef(0), StageRef(1)
@@ -268,7 +285,11 @@ def test_a_server_broken_before_the_watchdog_came_gets_its_incident(tmp_path: Pa
             incident = await incident_done(watchdog, 60)
             assert watchdog.state.report is not None
             assert [v.stage for v in incident.verdicts] == [S0], incident.cause
-            assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN, incident.steps
+            # The admin endpoint took the request. A loaded machine can stretch the
+            # server's exit past the shutdown grace; the terminate step then ends it.
+            shutdown = step(incident, StepName.SHUTDOWN)
+            assert shutdown is not None and shutdown.outcome in ACCEPTED, incident.steps
+            assert incident.outcome in RECOVERED, incident.steps
 
     asyncio.run(scenario())
 
@@ -295,7 +316,9 @@ def test_a_full_disk_never_holds_the_ladder_back(tmp_path: Path) -> None:
             await warmed_up(watchdog)
             in_background(server.url)
             incident = await incident_done(watchdog, 60)
-            assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN, incident.steps
+            shutdown = step(incident, StepName.SHUTDOWN)
+            assert shutdown is not None and shutdown.outcome in ACCEPTED, incident.steps
+            assert incident.outcome in RECOVERED, incident.steps
             # The state after the incident closed carries every failed write.
             health = await wait_for(
                 lambda: (

@@ -318,6 +318,9 @@ def scripted_state(
             state_write_errors=0,
             last_state_write_error="",
             connections_closed={},
+            blind_seconds=3.25,
+            blind_spells=4,
+            set_aside={"canary": 0, "health": 2},
         ),
     )
     return Scripted(state, clock)

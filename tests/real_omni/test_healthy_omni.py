@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e.harness import state
+from e2e.harness import worse_than_degraded
 from real_omni.server import STAGES, OmniServer, engine_of, watched
 from real_vllm.client import (
     LONG_REQUEST,
@@ -31,7 +31,6 @@ from omni_watchdog.demo import wait_for
 from omni_watchdog.semconv import HEARTBEAT_SPAN
 from omni_watchdog.types import (
     StageRef,
-    StageState,
 )
 
 # A server of its own takes two minutes and more to start on two busy cores.
@@ -131,12 +130,12 @@ def test_default_canary_never_harms_a_healthy_idle_server(
         async with aiohttp.ClientSession() as session:
             before = await served_requests(session, server)
             async with watched(server, tmp_path, overrides=default_canary) as watchdog:
-                seen: set[StageState | None] = set()
+                worse: list[str] = []
                 deadline = time.monotonic() + 8 * defaults.canary_interval
                 while time.monotonic() < deadline:
-                    seen |= {state(watchdog, stage) for stage in STAGES}
+                    worse += worse_than_degraded(watchdog, STAGES)
                     await asyncio.sleep(0.5)
-                assert seen <= {StageState.HEALTHY, StageState.DEGRADED}, seen
+                assert not worse, worse
                 assert not watchdog.policy.incidents()
             # Nobody else talked to the server: what it served were the canaries.
             assert await served_requests(session, server) - before >= 3
@@ -159,10 +158,7 @@ def test_client_gone_mid_request_is_no_reason_to_act(
             # Longer than every detection timeout of the fast settings.
             quiet_until = time.monotonic() + 12
             while time.monotonic() < quiet_until:
-                assert all(
-                    state(watchdog, stage) in {StageState.HEALTHY, StageState.DEGRADED}
-                    for stage in STAGES
-                )
+                assert not (worse := worse_than_degraded(watchdog, STAGES)), worse
                 await asyncio.sleep(0.5)
             assert not watchdog.policy.incidents()
             assert await chat(session, server.url) == 200
@@ -183,14 +179,14 @@ def test_steady_load_with_one_slow_stage_is_never_worse_than_degraded(
             # well within every timeout.
             faults.arm(talker.stage_id, "slow:0.25")
             try:
-                seen: set[StageState | None] = set()
+                worse: list[str] = []
                 answers: list[tuple[int, str]] = []
                 deadline = time.monotonic() + LOAD_SECONDS
                 while time.monotonic() < deadline:
                     answers += await asyncio.gather(
                         answer(session, server.url, 16), answer(session, server.url, 4)
                     )
-                    seen |= {state(watchdog, stage) for stage in STAGES}
+                    worse += worse_than_degraded(watchdog, STAGES)
             finally:
                 faults.disarm(talker.stage_id)
             failed = [(status, body) for status, body in answers if status != 200]
@@ -199,7 +195,7 @@ def test_steady_load_with_one_slow_stage_is_never_worse_than_degraded(
             # business, and exactly what the watchdog must not act on; a server that fails
             # more than that is a broken harness, shown with its log.
             assert len(failed) <= len(answers) // 20, (failed[:3], server.log_tail())
-            assert seen <= {StageState.HEALTHY, StageState.DEGRADED}, seen
+            assert not worse, worse
             assert not watchdog.policy.incidents()
             assert len(answers) - len(failed) > 20
             assert server.process.poll() is None
