@@ -12,7 +12,9 @@ PYTEST_WORKERS ?= 2
 .PHONY: demo test test-fast lint bench clean tools
 
 # Tools the tests need beyond Python packages: promtool and prometheus (make/prometheus.mk),
-# and the CPU build of vLLM in its own environment for the real-server tests (make/vllm.mk).
+# Chromium for the incident report's browser test (make/chromium.mk), and the CPU builds of
+# vLLM and vLLM-Omni in their own environments for the real-server tests (make/vllm.mk,
+# make/omni.mk).
 -include make/*.mk
 
 $(STAMP): pyproject.toml

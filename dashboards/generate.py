@@ -271,6 +271,29 @@ def overview(layout: Layout) -> None:
         4,
     )
     layout.add(
+        stat(
+            "Remediation paused",
+            "An operator's maintenance pause holds the watchdog's actions (omni-watchdog"
+            " pause); detection and alerts go on.",
+            f"omni_watchdog_remediation_paused{{{INSTANCE}}}",
+            [yes_no("acting", "paused", bad_when_zero=False)],
+            legend="{{instance}}",
+        ),
+        4,
+        4,
+    )
+    layout.add(
+        stat(
+            "Pause ends",
+            "When the maintenance pause in force ends; empty when none is.",
+            f"omni_watchdog_remediation_pause_end_timestamp_seconds{{{INSTANCE}}} * 1000 > 0",
+            legend="{{instance}}",
+            unit="dateTimeFromNow",
+        ),
+        4,
+        4,
+    )
+    layout.add(
         timeseries(
             "Incidents by outcome",
             "Incidents closed in each interval, by how they ended.",

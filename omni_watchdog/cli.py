@@ -1,15 +1,26 @@
-"""`omni-watchdog`: run the watchdog, the simulated server, or the demo."""
+"""`omni-watchdog`: run the watchdog, the on-call commands, the simulated server, or the
+demo.
+
+`run` exits with:
+    0  stopped by SIGINT or SIGTERM
+    2  configuration error (the message names the file and the field), a state
+       directory that cannot be made, or a bad command line
+    3  cannot start: a listener cannot bind its address
+    4  internal error: an exception of the watchdog's own, logged with its traceback
+The on-call commands' codes are in `oncall.py`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from omni_watchdog import __version__
+from omni_watchdog import __version__, oncall
 from omni_watchdog.config import (
     GPU_BACKENDS,
     ConfigError,
@@ -18,9 +29,16 @@ from omni_watchdog.config import (
     load_config,
     prepare_state_dir,
 )
-from omni_watchdog.log import configure_logging
+from omni_watchdog.log import configure_logging, log_event
 from omni_watchdog.topology import TopologyError
 from omni_watchdog.types import Mode
+
+EXIT_STOPPED = 0
+EXIT_CONFIG = 2
+EXIT_CANNOT_START = 3
+EXIT_INTERNAL = 4
+
+logger = logging.getLogger("omni_watchdog.app")
 
 
 def _set_override(overrides: dict[str, Any], dotted: str, value: Any) -> None:
@@ -118,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="attach to a server and watch it")
     _add_run_arguments(run)
+    oncall.add_commands(commands)
 
     from omni_watchdog.sim.cli import add_arguments as add_sim_arguments
 
@@ -150,21 +169,18 @@ async def _run_watchdog(config: WatchdogConfig) -> int:
         # A port in use or an address this host does not have: one line, not a traceback.
         await watchdog.stop()
         print(f"omni-watchdog: cannot start: {error}", file=sys.stderr)
-        return 1
+        return EXIT_CANNOT_START
     await watchdog.run_until(stop)
-    return 0
+    return EXIT_STOPPED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "run":
-            configure_logging(args.log_level)
-            config = load_config(args.config, overrides=overrides_of(args))
-            warning = prepare_state_dir(config)
-            if warning:
-                print(f"omni-watchdog: warning: {warning}", file=sys.stderr)
-            return asyncio.run(_run_watchdog(config))
+            return _run(args)
+        if args.command in oncall.COMMANDS:
+            return oncall.run_command(args)
         if args.command == "sim":
             from omni_watchdog.sim.cli import run as run_sim
 
@@ -182,7 +198,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (ConfigError, TopologyError) as error:
         print(f"omni-watchdog: {error}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+
+
+def _run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    config = load_config(args.config, overrides=overrides_of(args))
+    warning = prepare_state_dir(config)
+    if warning:
+        print(f"omni-watchdog: warning: {warning}", file=sys.stderr)
+    try:
+        return asyncio.run(_run_watchdog(config))
+    except (ConfigError, TopologyError):
+        raise
+    except Exception as error:
+        # A supervisor restarts on this code; the traceback is what to file.
+        log_event(logger, "internal_error", logging.CRITICAL, exc_info=error, loop="run")
+        print(f"omni-watchdog: internal error: {error!r}", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

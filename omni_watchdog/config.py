@@ -424,6 +424,11 @@ class WatchdogConfig:
         "Bearer token the OTLP receiver requires of every export (OMNI_WATCHDOG_OTLP_TOKEN);"
         " required when spans.otlp_listen is not a loopback address.",
     )
+    operator_token: str = _setting(
+        "",
+        "Bearer token of the operator's actions (remediate, pause, resume) on the API"
+        " (OMNI_WATCHDOG_OPERATOR_TOKEN); empty refuses every action.",
+    )
     otlp_export_endpoint: str = _setting(
         "",
         "OTLP/HTTP traces URL for the watchdog's own incident spans; empty: none.",

@@ -21,8 +21,10 @@ from omni_watchdog.app import CANARY_CHECK_EVERY, SPANS_EVERY, Watchdog
 from omni_watchdog.config import WatchdogConfig
 from omni_watchdog.detector import Detector
 from omni_watchdog.exporters.api import JsonApi
+from omni_watchdog.exporters.history import IncidentHistory
 from omni_watchdog.exporters.prometheus import MetricsExposition
 from omni_watchdog.exporters.traces import IncidentTraces
+from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.actuators import Actuators, SignalGuard
 from omni_watchdog.policy.capture import Capturer, find_py_spy
 from omni_watchdog.policy.core import Policy
@@ -36,6 +38,7 @@ from omni_watchdog.policy.incidents import (
 )
 from omni_watchdog.policy.inspect import read_condition
 from omni_watchdog.policy.ladder import LadderRunner, ladder_from_config
+from omni_watchdog.policy.maintenance import MaintenanceWindow
 from omni_watchdog.probes.canary import CanaryProbe
 from omni_watchdog.probes.gpu import GpuProbe, load_nvml
 from omni_watchdog.probes.health import HealthProbe
@@ -192,16 +195,26 @@ def _assemble(
         inspect=lambda identity: read_condition(identity, process_table),
         report=bundles.write_json,
     )
+    journal = IncidentJournal(state_dir / "journal.jsonl", write_errors)
     policy = Policy(
         config.mode,
         runner,
-        IncidentJournal(state_dir / "journal.jsonl", write_errors),
+        journal,
         EnforcementBudget(config.ladder.budget_per_hour),
         TargetLock(lock_dir_for(state_dir, os.environ)),
         bundles,
         clock,
         target.alive,
         errors.record,
+        MaintenanceWindow(clock),
+    )
+    operator = OperatorActions(
+        token=config.operator_token,
+        policy=policy,
+        window=policy.window,
+        journal=journal,
+        clock=clock,
+        snapshot=target.snapshot,
     )
     stats = WatchdogStats()
     stats.ignore_closed(policy.incidents())
@@ -220,11 +233,12 @@ def _assemble(
         listeners=listeners,
         sight=sight,
         detector=detector,
+        operator=operator,
     )
     first = assembler.make(topology, None, None)
     exposition = MetricsExposition(clock, first)
-    api = JsonApi(clock, first, exposition, bundles.names)
-    exporters: list[Exporter] = [exposition, api]
+    api = JsonApi(clock, first, exposition, bundles, journal.actions, operator)
+    exporters: list[Exporter] = [exposition, api, IncidentHistory(bundles.write_json)]
     traces = IncidentTraces(config.otlp_export_endpoint) if config.otlp_export_endpoint else None
     if traces is not None:
         exporters.append(traces)

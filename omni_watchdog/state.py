@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from omni_watchdog.detector import Detector
+from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.core import Policy
 from omni_watchdog.policy.incidents import StateWriteErrors
 from omni_watchdog.probes.processes import ProcessTracker
@@ -43,6 +44,7 @@ class StateAssembler:
         listeners: Mapping[str, Listener],
         sight: LoopSight,
         detector: Detector,
+        operator: OperatorActions,
     ) -> None:
         """`listeners` is read at each state: the watchdog fills it as it binds them."""
         self._clock = clock
@@ -57,6 +59,7 @@ class StateAssembler:
         self._listeners = listeners
         self._sight = sight
         self._detector = detector
+        self._operator = operator
 
     def make(
         self,
@@ -93,6 +96,8 @@ class StateAssembler:
                 lock=policy.lock_status(),
                 incidents=tuple(policy.incidents()),
                 closed_now=closed_now,
+                pause=policy.window.current(),
+                operator_actions=dict(self._operator.counts),
             ),
             counters=self._stats.counters(),
             self_health=self.self_health(last_evaluation),

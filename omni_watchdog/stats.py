@@ -118,7 +118,9 @@ class WatchdogStats:
             begun = timeline.get("verdict", timeline.get("opened"))
             released = timeline.get("released")
             if begun is not None and released is not None:
-                self._verdict_to_release.observe(max(0.0, released - begun))
+                # An operator's pause is not the watchdog's time to release.
+                held = timeline.get("unheld", 0.0) - timeline.get("held", 0.0)
+                self._verdict_to_release.observe(max(0.0, released - begun - max(0.0, held)))
         return closed
 
     def counters(self) -> Counters:

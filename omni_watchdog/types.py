@@ -454,6 +454,28 @@ class ReceiverStats:
 
 
 @dataclass(frozen=True)
+class MaintenancePause:
+    """An operator's hold on the watchdog's actions, from `since` to `until` (wall)."""
+
+    since: float
+    until: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class OperatorAction:
+    """One action an operator asked of the watchdog, done or refused, as journaled."""
+
+    time: float  # wall
+    action: str
+    outcome: str
+    incident_id: str | None
+    detail: str
+    # The pause a `pause` action opened, so a restarted watchdog keeps it.
+    pause: MaintenancePause | None = None
+
+
+@dataclass(frozen=True)
 class LockStatus:
     """The target lock: held, or why not (`conflict`, empty if none), and its file."""
 
@@ -511,6 +533,10 @@ class RemediationView:
     incidents: tuple[Incident, ...]
     # Closed by the evaluation that made this state: exported once, as they close.
     closed_now: tuple[Incident, ...] = ()
+    # Actions held by an operator until its end; None when none is in force.
+    pause: MaintenancePause | None = None
+    # Operator action requests, by (action, outcome).
+    operator_actions: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def open_incident(self) -> Incident | None:
@@ -566,6 +592,14 @@ class Exporter(Protocol):
     def export(self, state: WatchdogState) -> None:
         """Take the newest state; called by the evaluation loop, so it must not block."""
         ...
+
+
+class IncidentBundles(Protocol):
+    """An incident's evidence files, by their names relative to its bundle."""
+
+    def names(self, incident_id: str) -> list[str]: ...
+
+    def read(self, incident_id: str) -> dict[str, str]: ...
 
 
 class Clock(Protocol):

@@ -777,6 +777,18 @@ def test_run_prints_a_state_dir_warning_and_goes_on(
 
 
 @pytest.mark.usefixtures("quiet_cli")
+def test_run_exits_with_the_internal_error_code_on_a_bug_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def run_watchdog(config: WatchdogConfig) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "_run_watchdog", run_watchdog)
+    assert main(["run", "--state-dir", str(tmp_path)]) == cli.EXIT_INTERNAL
+    assert "omni-watchdog: internal error: RuntimeError('a bug')" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("quiet_cli")
 def test_run_help_states_the_real_defaults(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -167,6 +167,8 @@ def test_panel_ids_are_unique_and_panels_do_not_overlap() -> None:
         ("stat", "omni_watchdog_evaluation_age_seconds"),
         ("stat", "omni_watchdog_target_lock_conflict"),
         ("stat", "omni_watchdog_internal_errors_total"),
+        ("stat", "omni_watchdog_remediation_paused"),
+        ("stat", "omni_watchdog_remediation_pause_end_timestamp_seconds"),
         ("stat", "omni_watchdog_state_write_errors_total"),
         ("timeseries", "omni_watchdog_evaluation_age_seconds"),
         ("timeseries", "omni_watchdog_blind_seconds_total"),

@@ -1,19 +1,26 @@
-"""The watchdog's JSON API: status, the target's real health, incidents, and /metrics.
+"""The watchdog's JSON API: status, the target's real health, incidents with their report
+and stacks, the operator's actions, and /metrics.
 
 It serves the latest `WatchdogState` the evaluation loop pushed (`export`); nothing here
-reads the watchdog itself.
+reads the watchdog itself. The operator's actions are routes of `operator.py`, behind its
+token; every other route is read-only and open.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from aiohttp import web
 
 from omni_watchdog.exporters.prometheus import MetricsExposition
+from omni_watchdog.exporters.report import render_incident_report
 from omni_watchdog.exporters.views import incident_summary, status_of, target_health
+from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.incidents import to_jsonable
-from omni_watchdog.types import Clock, WatchdogState
+from omni_watchdog.types import Clock, Incident, IncidentBundles, OperatorAction, WatchdogState
 
 # /healthz fails when the last evaluation is older than this (20 evaluation intervals):
 # judging has stopped, and the watchdog could not see a hang.
@@ -28,13 +35,17 @@ class JsonApi:
         clock: Clock,
         state: WatchdogState,
         metrics: MetricsExposition,
-        bundle_files: Callable[[str], Sequence[str]],
+        bundles: IncidentBundles,
+        actions_of: Callable[[str], Sequence[OperatorAction]] = lambda _: (),
+        operator: OperatorActions | None = None,
     ) -> None:
-        """`bundle_files(incident_id)` lists an incident's bundle files, relative to it."""
+        """`actions_of(incident_id)` lists the operator's journaled actions on it."""
         self._clock = clock
         self._state = state
         self._metrics = metrics
-        self._bundle_files = bundle_files
+        self._bundles = bundles
+        self._actions_of = actions_of
+        self._operator = operator
 
     def export(self, state: WatchdogState) -> None:
         self._state = state
@@ -50,8 +61,12 @@ class JsonApi:
         app.router.add_get("/v1/target/health", self._target_health)
         app.router.add_get("/v1/incidents", self._incidents)
         app.router.add_get("/v1/incidents/{incident_id}", self._incident)
+        app.router.add_get("/v1/incidents/{incident_id}/stacks", self._stacks)
+        app.router.add_get("/v1/incidents/{incident_id}/report", self._report)
         app.router.add_get("/healthz", self._own_health)
         app.router.add_get("/metrics", self._scrape)
+        if self._operator is not None:
+            self._operator.add_routes(app)
         return app
 
     async def _status(self, _: web.Request) -> web.Response:
@@ -66,15 +81,40 @@ class JsonApi:
         return web.json_response({"incidents": [incident_summary(i) for i in incidents]})
 
     async def _incident(self, request: web.Request) -> web.Response:
+        found = self._known(request)
+        body = to_jsonable(found)
+        body["files"] = await asyncio.to_thread(self._bundles.names, found.incident_id)
+        return web.json_response(body)
+
+    async def _stacks(self, request: web.Request) -> web.Response:
+        found = self._known(request)
+        files = await asyncio.to_thread(self._bundles.read, found.incident_id)
+        return web.json_response({"stacks": stacks_of(files)})
+
+    async def _report(self, request: web.Request) -> web.Response:
+        found = self._known(request)
+        # Files and journal are read, and the page made, off the loop: a large bundle must
+        # not make the watchdog blind.
+        page = await asyncio.to_thread(self._render, found)
+        return web.Response(text=page, content_type="text/html")
+
+    def _render(self, incident: Incident) -> str:
+        files = self._bundles.read(incident.incident_id)
+        actions = [to_jsonable(a) for a in self._actions_of(incident.incident_id)]
+        return render_incident_report(to_jsonable(incident), files, actions)
+
+    def _known(self, request: web.Request) -> Incident:
+        """The incident the path names; only a known one is looked for on disk."""
         wanted = request.match_info["incident_id"]
         found = next(
             (i for i in self._state.remediation.incidents if i.incident_id == wanted), None
         )
         if found is None:
-            raise web.HTTPNotFound(text="no such incident\n")
-        body = to_jsonable(found)
-        body["files"] = list(self._bundle_files(found.incident_id))
-        return web.json_response(body)
+            raise web.HTTPNotFound(
+                text=json.dumps({"error": f"no incident {wanted}"}),
+                content_type="application/json",
+            )
+        return found
 
     async def _own_health(self, _: web.Request) -> web.Response:
         age = self.evaluation_age()
@@ -92,3 +132,32 @@ class JsonApi:
         # Prometheus asks for gzip on every scrape; the exposition shrinks about tenfold.
         response.enable_compression()
         return response
+
+
+def stacks_of(files: dict[str, str]) -> list[dict[str, Any]]:
+    """Each captured stack of the bundle, with what `processes.json` says of its pid."""
+    try:
+        listed = json.loads(files.get("processes.json", "[]"))
+        processes = {int(p["pid"]): p for p in listed if isinstance(p, dict) and "pid" in p}
+    except (ValueError, TypeError, KeyError):
+        processes = {}
+    stacks = []
+    for name, text in sorted(files.items()):
+        folder, _, file_name = name.partition("/")
+        pid_text = file_name.removesuffix(".txt")
+        if folder != "stacks" or not pid_text.isdigit():
+            continue
+        process = processes.get(int(pid_text), {})
+        stage = process.get("stage")
+        stacks.append(
+            {
+                "pid": int(pid_text),
+                "title": str(process.get("title", "")),
+                "stage": f"{stage.get('stage_id')}.{stage.get('replica', 0)}"
+                if isinstance(stage, dict)
+                else None,
+                "role": str(process.get("role", "")),
+                "text": text,
+            }
+        )
+    return stacks

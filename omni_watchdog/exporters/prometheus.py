@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from omni_watchdog import __version__
 from omni_watchdog.exporters.views import target_health
+from omni_watchdog.operator import ACTION_OUTCOMES, ACTIONS
 from omni_watchdog.serving import CLOSE_REASONS
 from omni_watchdog.stats import (
     LADDER_STEP_BUCKETS,
@@ -139,6 +140,21 @@ FAMILIES = (
         "remediation_budget_exhausted_total",
         "counter",
         "Incidents that could not be enforced because the hourly budget was spent.",
+    ),
+    (
+        "remediation_paused",
+        "gauge",
+        "1 while an operator's maintenance pause holds the watchdog's actions; detection goes on.",
+    ),
+    (
+        "remediation_pause_end_timestamp_seconds",
+        "gauge",
+        "When the maintenance pause in force ends (Unix time); 0 when none is.",
+    ),
+    (
+        "operator_actions_total",
+        "counter",
+        "Operator action requests on the API (remediate, pause, resume), by outcome.",
     ),
     (
         "internal_errors_total",
@@ -517,6 +533,18 @@ class MetricsExposition:
             f"{PREFIX}remediation_budget_remaining {remediation.budget_remaining}",
             _HEADERS["remediation_budget_exhausted_total"],
             f"{PREFIX}remediation_budget_exhausted_total {remediation.budget_exhausted_total}",
+            _HEADERS["remediation_paused"],
+            f"{PREFIX}remediation_paused {int(remediation.pause is not None)}",
+            _HEADERS["remediation_pause_end_timestamp_seconds"],
+            f"{PREFIX}remediation_pause_end_timestamp_seconds"
+            f" {number(remediation.pause.until if remediation.pause else 0.0)}",
+            _HEADERS["operator_actions_total"],
+        )
+        out += (
+            f'{PREFIX}operator_actions_total{{action="{action}",outcome="{outcome}"}}'
+            f" {remediation.operator_actions.get((action, outcome), 0)}"
+            for action in ACTIONS
+            for outcome in ACTION_OUTCOMES
         )
 
     def _self_health(self, out: list[str], state: WatchdogState, now: float) -> None:

@@ -72,8 +72,13 @@ def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
     health = target.health
     current = state.remediation.open_incident
     last_evaluation = state.self_health.last_evaluation
+    pause = state.remediation.pause
     return {
+        "now": state.wall(now),
         "mode": state.remediation.mode.value,
+        "pause": None
+        if pause is None
+        else {"since": pause.since, "until": pause.until, "reason": pause.reason},
         "target": {
             "url": target.url,
             "pid": target.root.pid if target.root else None,

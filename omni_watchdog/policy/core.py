@@ -4,6 +4,11 @@ One incident at a time; nothing before warm-up ends; an hourly budget of enforce
 incidents; a lock per target, held from attachment on, so two watchdogs never both act;
 and a journal so a restarted watchdog resumes an open incident instead of starting it
 again. Neither a disk fault nor a bug in the climb leaves an incident open.
+
+An operator can run the ladder now (`remediate_now`), through the same guards, and hold
+automatic actions for a while (a maintenance pause): a held incident captures its
+evidence, waits before its first acting step, and acts after the pause only if its
+server is still the attached one and still needs it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from omni_watchdog.policy.incidents import (
     TargetLock,
 )
 from omni_watchdog.policy.ladder import LadderRunner, TargetSnapshot
+from omni_watchdog.policy.maintenance import MaintenanceWindow
 from omni_watchdog.types import (
     Clock,
     DetectorReport,
@@ -33,13 +39,24 @@ from omni_watchdog.types import (
     LockStatus,
     Mode,
     ProcessIdentity,
+    StageState,
     StepName,
     StepOutcome,
+    StepResult,
     TargetExit,
     Verdict,
 )
 
 logger = logging.getLogger("omni_watchdog.policy")
+
+
+class ActionRefused(Exception):
+    """An operator action the policy will not take now, with the HTTP status that says why."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
 
 
 def new_incident_id(wall: float) -> str:
@@ -60,6 +77,7 @@ class Policy:
         clock: Clock,
         alive: Callable[[ProcessIdentity], bool],
         on_internal_error: Callable[[str, Exception], None],
+        window: MaintenanceWindow | None = None,
     ) -> None:
         """`on_internal_error(loop, error)` logs with its traceback and counts a bug in the
         climb (loop "ladder"); the policy then closes the incident as failed."""
@@ -72,15 +90,26 @@ class Policy:
         self._clock = clock
         self._alive = alive
         self._on_internal_error = on_internal_error
+        self.window = window or MaintenanceWindow(clock)
         self._incidents: dict[str, Incident] = {}
+        # The server each incident was about, to approve a plan only for that server.
+        self._roots: dict[str, ProcessIdentity | None] = {}
+        # Incidents an operator started: a pause does not hold them.
+        self._by_operator: set[str] = set()
+        self._latest: DetectorReport | None = None
         self._current: asyncio.Task[Incident] | None = None
         self._handled_roots: set[ProcessIdentity] = set()
         self._attached: ProcessIdentity | None = None
         self.budget_exhausted_total = 0
         for entry in journal.replay():
             self._incidents[entry.incident.incident_id] = entry.incident
+            self._roots[entry.incident.incident_id] = entry.root
             if entry.incident.mode is Mode.ENFORCE:
                 budget.note(entry.incident.opened)
+        windows = [a for a in journal.actions() if a.outcome == "accepted"]
+        windows = [a for a in windows if a.action in ("pause", "resume")]
+        if windows and windows[-1].pause is not None:
+            self.window.restore(windows[-1].pause)
 
     # ---- queries ------------------------------------------------------------------
 
@@ -144,6 +173,7 @@ class Policy:
         self, report: DetectorReport, snapshot: Callable[[], TargetSnapshot]
     ) -> asyncio.Task[Incident] | None:
         """Open an incident for a new verdict or a bad exit, if the rules allow one now."""
+        self._latest = report
         if self.busy:
             return None
         if report.target_exit is not None:
@@ -218,6 +248,122 @@ class Policy:
         assert self._current is not None
         return self._current
 
+    # ---- the operator -------------------------------------------------------------
+
+    def planned_steps(self, first: str | None) -> tuple[StepName, ...]:
+        """The steps an operator's ladder runs: the capture, then from `first` on."""
+        names = self._runner.step_names
+        start = names.index(StepName(first)) if first is not None else 0
+        return tuple(n for i, n in enumerate(names) if i >= start or n is StepName.CAPTURE)
+
+    def remediate_now(
+        self, incident_id: str | None, first: StepName | None, target: TargetSnapshot
+    ) -> Incident:
+        """Run the ladder on the attached server now, in enforce mode whatever the
+        watchdog's mode: an operator's explicit request, approving the plan of
+        `incident_id` when given. Refused (`ActionRefused`) while a ladder runs, without a
+        server, for an incident about another server, or without the target lock."""
+        if self.busy:
+            current = self.open_incident_id()
+            raise ActionRefused(409, f"a ladder is running now (incident {current})")
+        approved = None
+        if incident_id is not None:
+            approved = self._incidents.get(incident_id)
+            if approved is None:
+                raise ActionRefused(404, f"no incident {incident_id}")
+        if target.root is None:
+            raise ActionRefused(409, "no server is attached: nothing to act on")
+        if approved is not None and self._roots.get(approved.incident_id) != target.root:
+            raise ActionRefused(
+                409,
+                f"incident {approved.incident_id} was about another server; the one attached"
+                f" now (pid {target.root.pid}) is not the one its plan was made for",
+            )
+        if not self._lock.acquire(target.root):
+            raise ActionRefused(409, f"no target lock ({self._lock.conflict})")
+        wall = self._clock.wall()
+        steps = self.planned_steps(None if first is None else first.value)
+        skipped = tuple(
+            StepResult(name, StepOutcome.SKIPPED, wall, 0.0, f"the operator started at {first}")
+            for name in self._runner.step_names
+            if name not in steps
+        )
+        asked = f"run by the operator from {first.value}" if first else "run by the operator"
+        cause = f"{approved.cause}; {asked}" if approved else asked
+        if approved is not None:
+            cause += f", approving incident {approved.incident_id}"
+        new_id = new_incident_id(wall)
+        incident = Incident(
+            incident_id=new_id,
+            target=target.target,
+            mode=Mode.ENFORCE,
+            opened=wall,
+            cause=cause,
+            verdicts=approved.verdicts if approved else (),
+            steps=skipped,
+            bundle_dir=str(self._bundles.directory(new_id)),
+            timeline={"opened": wall},
+        )
+        self._by_operator.add(incident.incident_id)
+        self._handled_roots.add(target.root)
+        log_event(
+            logger,
+            "incident_opened",
+            id=incident.incident_id,
+            mode=incident.mode.value,
+            cause=incident.cause,
+            by="operator",
+        )
+        self._task_for(incident, target)
+        return incident
+
+    def open_incident_id(self) -> str | None:
+        return next((i.incident_id for i in self.incidents() if i.closed is None), None)
+
+    async def _hold(self, incident: Incident, target: TargetSnapshot) -> Incident:
+        """Wait out a maintenance pause before the first acting step; after it, act only
+        if the incident's server is still the attached one and still needs it."""
+        pause = self.window.current()
+        if pause is None or incident.incident_id in self._by_operator:
+            return incident
+        until = time.strftime("%H:%M:%SZ", time.gmtime(pause.until))
+        incident = dataclasses.replace(
+            incident,
+            cause=f"{incident.cause}; held by a maintenance pause until {until}: {pause.reason}",
+            timeline={**incident.timeline, "held": self._clock.wall()},
+        )
+        self._record(incident, target)
+        log_event(logger, "incident_held", id=incident.incident_id, until=pause.until)
+        await self.window.wait_until_over()
+        timeline = {**incident.timeline, "unheld": self._clock.wall()}
+        moot = self._moot(incident, target)
+        if moot:
+            log_event(logger, "incident_moot", id=incident.incident_id, reason=moot)
+            return dataclasses.replace(
+                incident,
+                mode=Mode.OBSERVE,
+                cause=f"{incident.cause}; after the pause {moot}: nothing done",
+                timeline=timeline,
+            )
+        return dataclasses.replace(incident, timeline=timeline)
+
+    def _moot(self, incident: Incident, target: TargetSnapshot) -> str:
+        """Why acting after a pause would be wrong now, or "" when it is still needed."""
+        # An exit's incident is about a server already gone: its orphans still need it.
+        if incident.verdicts and target.root is not None and target.root != self._attached:
+            return "another server is attached"
+        if not any(self._alive(p.identity) for p in target.processes):
+            return "none of the server's processes is left"
+        report = self._latest
+        stages = {v.stage for v in incident.verdicts}
+        if stages and report is not None:
+            bad = {
+                s.stage for s in report.statuses if s.state in (StageState.STALLED, StageState.DEAD)
+            }
+            if not stages & bad:
+                return "the stage recovered"
+        return ""
+
     async def resume(
         self, snapshot_of: Callable[[JournalEntry], Awaitable[TargetSnapshot]]
     ) -> None:
@@ -261,7 +407,10 @@ class Policy:
     async def _climb(self, incident: Incident, target: TargetSnapshot) -> Incident:
         try:
             finished = await self._runner.run(
-                incident, target, lambda step: self._record(step, target)
+                incident,
+                target,
+                lambda step: self._record(step, target),
+                lambda held: self._hold(held, target),
             )
             verify = next((s for s in finished.steps if s.step is StepName.VERIFY), None)
             timeline = dict(finished.timeline)
@@ -284,6 +433,9 @@ class Policy:
         # of the previous server, a resumed one) borrowed it.
         if self.mode is Mode.ENFORCE and target.root != self._attached:
             self._hold_attached_lock()
+        elif self.mode is not Mode.ENFORCE:
+            # An operator's ladder borrowed it; a watchdog that does not enforce holds none.
+            self._lock.release()
         return finished
 
     def _failed_internally(self, incident_id: str, error: Exception) -> Incident:
@@ -302,6 +454,7 @@ class Policy:
     def _record(self, incident: Incident, target: TargetSnapshot) -> None:
         # Memory first: the journal and the bundle log and count a disk fault, never raise it.
         self._incidents[incident.incident_id] = incident
+        self._roots[incident.incident_id] = target.root
         self._journal.record(
             incident, target.root, target.identities, target.pgids(), target.gpu_baseline
         )

@@ -29,7 +29,9 @@ from omni_watchdog.types import (
     EvidenceKind,
     Incident,
     IncidentOutcome,
+    MaintenancePause,
     Mode,
+    OperatorAction,
     ProcessIdentity,
     StageRef,
     StageState,
@@ -41,6 +43,10 @@ from omni_watchdog.types import (
 
 logger = logging.getLogger("omni_watchdog.policy")
 
+# What the incident report reads of a bundle: a stack dump is a few KiB, a /metrics page
+# of a large server a few MiB.
+MAX_BUNDLE_FILE_READ = 4 * 2**20
+MAX_BUNDLE_READ = 32 * 2**20
 _PRIVATE_FILE = 0o600
 _PRIVATE_DIRECTORY = 0o700
 
@@ -82,6 +88,20 @@ def _step(data: Mapping[str, Any]) -> StepResult:
         float(data["duration"]),
         data.get("detail", ""),
         tuple(int(pid) for pid in data.get("targets", ())),
+    )
+
+
+def _action_from_json(data: Mapping[str, Any]) -> OperatorAction:
+    pause = data.get("pause")
+    return OperatorAction(
+        time=float(data["time"]),
+        action=str(data["action"]),
+        outcome=str(data["outcome"]),
+        incident_id=None if data.get("incident_id") is None else str(data["incident_id"]),
+        detail=str(data.get("detail", "")),
+        pause=None
+        if pause is None
+        else MaintenancePause(float(pause["since"]), float(pause["until"]), str(pause["reason"])),
     )
 
 
@@ -244,6 +264,9 @@ class IncidentJournal:
                 "gpu_baseline": None if gpu_baseline is None else to_jsonable(gpu_baseline),
             }
         )
+        self._append_line(line)
+
+    def _append_line(self, line: str) -> None:
         # After a failed append the file may end mid-line: a fresh line keeps this one whole.
         data = ("\n" if self._torn else "") + line + "\n"
         try:
@@ -255,21 +278,43 @@ class IncidentJournal:
             self._torn = False
             self._errors.succeeded("journal")
 
-    def replay(self) -> list[JournalEntry]:
-        """The latest entry of every incident, oldest first; a torn line is skipped."""
+    def record_action(self, action: OperatorAction) -> None:
+        """One operator action, on a line of its own beside the incidents."""
+        self._append_line(json.dumps({"action": redact_json(to_jsonable(action))}))
+
+    def actions(self, incident_id: str | None = None) -> list[OperatorAction]:
+        """The journaled operator actions, oldest first; of one incident when given."""
+        found = []
+        for data in self._lines():
+            try:
+                action = _action_from_json(data["action"])
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+            if incident_id is None or action.incident_id == incident_id:
+                found.append(action)
+        return found
+
+    def _lines(self) -> Iterator[Any]:
         try:
             text = read_journal_tail(self._path).decode(errors="replace")
         except FileNotFoundError:
-            return []
+            return
         except OSError as error:
             log_event(
                 logger, "journal_unreadable", logging.ERROR, path=str(self._path), error=str(error)
             )
-            return []
-        latest: dict[str, JournalEntry] = {}
+            return
         for line in text.splitlines():
             try:
-                data = json.loads(line)
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+    def replay(self) -> list[JournalEntry]:
+        """The latest entry of every incident, oldest first; a torn line is skipped."""
+        latest: dict[str, JournalEntry] = {}
+        for data in self._lines():
+            try:
                 incident = incident_from_json(data["incident"])
                 processes = tuple(ProcessIdentity(int(p), float(t)) for p, t in data["processes"])
                 root = (
@@ -468,6 +513,24 @@ class BundleWriter:
         """The bundle's files, as paths relative to the bundle."""
         base = self._root / incident_id
         return [str(path.relative_to(base)) for path in self.files(incident_id)]
+
+    def read(self, incident_id: str) -> dict[str, str]:
+        """The bundle's files as text, each cut at `MAX_BUNDLE_FILE_READ` bytes, the whole
+        at `MAX_BUNDLE_READ`; one that cannot be read is left out."""
+        base = self._root / incident_id
+        found: dict[str, str] = {}
+        budget = MAX_BUNDLE_READ
+        for path in self.files(incident_id):
+            if budget <= 0:
+                break
+            try:
+                with path.open("rb") as handle:
+                    data = handle.read(min(MAX_BUNDLE_FILE_READ, budget))
+            except OSError:
+                continue
+            budget -= len(data)
+            found[str(path.relative_to(base))] = data.decode(errors="replace")
+        return found
 
     def _write(self, incident_id: str, name: str, text: str) -> None:
         """Write an already redacted text; a disk error is counted, never raised."""

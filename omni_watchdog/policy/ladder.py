@@ -45,6 +45,8 @@ _RECOVERED_BY = {
     StepName.TERMINATE: IncidentOutcome.RECOVERED_BY_TERM,
     StepName.KILL: IncidentOutcome.RECOVERED_BY_KILL,
 }
+# The steps that act on the server: a maintenance pause holds an incident before them.
+ACTING_STEPS = tuple(_RECOVERED_BY)
 
 
 @dataclass(frozen=True)
@@ -144,12 +146,19 @@ class LadderRunner:
         self._inspect = inspect
         self._report = report
 
+    @property
+    def step_names(self) -> tuple[StepName, ...]:
+        return tuple(step.name for step in self._steps)
+
     async def run(
         self,
         incident: Incident,
         snapshot: TargetSnapshot,
         on_step: Callable[[Incident], None],
+        hold: Callable[[Incident], Awaitable[Incident]] | None = None,
     ) -> Incident:
+        """Run the steps not done yet. `hold` is awaited once before the first step that
+        acts on the server, and may hand back the incident changed (in another mode)."""
         done = {result.step for result in incident.steps}
         recovered_by: StepName | None = None
         crashed = incident.crashed
@@ -158,6 +167,12 @@ class LadderRunner:
                 continue
             if recovered_by is not None and step.name is not StepName.VERIFY:
                 continue
+            if hold is not None and incident.mode is Mode.ENFORCE and step.name in ACTING_STEPS:
+                held = await hold(incident)
+                hold = None
+                if held is not incident:
+                    incident = held
+                    on_step(incident)
             if incident.mode is not Mode.ENFORCE and step.name is not StepName.CAPTURE:
                 result = self._plan(step, snapshot)
             else:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from typing import Any
 
 import aiohttp
@@ -78,6 +80,12 @@ async def incident_done(watchdog: Any, timeout: float = 40.0) -> Any:
     return await wait_for(lambda: closed_incident(watchdog), timeout)
 
 
+def closed_by_id(watchdog: Any, incident_id: str) -> Any:
+    """The incident, once it has closed; None before."""
+    incident = watchdog.policy.incident(incident_id)
+    return incident if incident is not None and incident.closed is not None else None
+
+
 def step(incident: Any, name: StepName) -> Any:
     return next((s for s in incident.steps if s.step is name), None)
 
@@ -98,3 +106,30 @@ async def with_fault(server: Any, fault: dict[str, Any]) -> None:
         session.post(server.url + "/sim/faults", json=fault) as response,
     ):
         assert response.status in (200, 202), await response.text()
+
+
+OPERATOR_TOKEN = "on-call-token"
+
+
+async def oncall(
+    watchdog: Any, *args: str, token: str | None = OPERATOR_TOKEN
+) -> tuple[int, str, str]:
+    """`omni-watchdog ARGS --watchdog <its API>` as on-call types it: exit code, stdout,
+    stderr; the operator token in its environment unless `token` is None."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_WATCHDOG_")}
+    if token is not None:
+        environment["OMNI_WATCHDOG_OPERATOR_TOKEN"] = token
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "omni_watchdog.cli",
+        *args,
+        "--watchdog",
+        f"http://127.0.0.1:{watchdog.api_port}",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=environment,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()

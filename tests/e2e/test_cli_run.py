@@ -20,6 +20,7 @@ import pytest
 from e2e.harness import FAST, SIM_ENV, in_background, incident_done, warmed_up
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from omni_watchdog.cli import EXIT_CANNOT_START, EXIT_CONFIG
 from omni_watchdog.demo import SimProcess, attached, example_config, free_port, wait_for
 from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.semconv import HEARTBEAT_SPAN, PROCESS_PID, STAGE_ID
@@ -257,7 +258,7 @@ def run_refused(*arguments: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_receiver_off_loopback_without_a_token_refuses_to_start(tmp_path: Path) -> None:
     result = run_refused("--otlp-listen", f"0.0.0.0:{free_port()}", "--state-dir", str(tmp_path))
-    assert result.returncode == 2
+    assert result.returncode == EXIT_CONFIG
     assert result.stderr.count("\n") == 1 and "OMNI_WATCHDOG_OTLP_TOKEN" in result.stderr
 
 
@@ -270,6 +271,6 @@ def test_a_port_already_taken_is_one_line_not_a_traceback(tmp_path: Path) -> Non
             *("--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path)),
             *("--otlp-listen", f"127.0.0.1:{free_port()}"),
         )
-    assert result.returncode == 1
+    assert result.returncode == EXIT_CANNOT_START
     (line,) = [line for line in result.stderr.splitlines() if not line.startswith("{")]
     assert line.startswith("omni-watchdog: cannot start:") and "Traceback" not in result.stderr

@@ -96,7 +96,7 @@ def test_every_family_of_the_contract_is_present(scripted: Scripted) -> None:
     # The parser names counters without their _total suffix.
     expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
     assert names == expected
-    assert len(FAMILY_NAMES) == 38
+    assert len(FAMILY_NAMES) == 41
 
 
 def test_content_type_is_the_text_format() -> None:
@@ -226,6 +226,17 @@ def test_each_ladder_step_is_counted_as_it_ends_not_when_the_incident_closes() -
     assert stats.counters().incidents == {IncidentOutcome.RECOVERED_BY_TERM: 1}
 
 
+def test_time_held_by_a_pause_is_not_time_to_release() -> None:
+    stats = WatchdogStats()
+    finished = scripted_incidents()[0]
+    verdict = 1_000.0
+    timeline = {"verdict": verdict, "held": verdict + 2, "unheld": verdict + 602}
+    held = dataclasses.replace(finished, timeline={**timeline, "released": verdict + 609})
+    assert stats.count_incidents([held]) == [held]
+    # 609 s from verdict to release, 600 of them the operator's.
+    assert stats.counters().verdict_to_release.total == pytest.approx(9.0)
+
+
 def test_verdicts_count_each_kind_of_evidence_once() -> None:
     stats = WatchdogStats()
     ref = StageRef(2, 1)
@@ -241,9 +252,17 @@ def test_verdicts_count_each_kind_of_evidence_once() -> None:
     }
 
 
+class NoBundles:
+    def names(self, incident_id: str) -> list[str]:
+        return []
+
+    def read(self, incident_id: str) -> dict[str, str]:
+        return {}
+
+
 def test_the_api_serves_metrics_in_the_text_format(scripted: Scripted) -> None:
     async def scrape() -> tuple[int, str, str]:
-        api = JsonApi(scripted.clock, scripted.state, scripted.exposition(), lambda _: [])
+        api = JsonApi(scripted.clock, scripted.state, scripted.exposition(), NoBundles())
         async with TestClient(TestServer(api.app())) as client:
             response = await client.get("/metrics")
             return response.status, response.headers["Content-Type"], await response.text()

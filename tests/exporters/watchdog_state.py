@@ -26,6 +26,7 @@ from omni_watchdog.types import (
     Incident,
     IncidentOutcome,
     LockStatus,
+    MaintenancePause,
     Mode,
     Observation,
     ObservationKind,
@@ -310,6 +311,8 @@ def scripted_state(
             budget_exhausted_total=1,
             lock=LockStatus(False, "held by another watchdog (pid 7)", None),
             incidents=tuple(incidents),
+            pause=MaintenancePause(1_700_000_000.0, 1_700_001_800.0, "driver upgrade"),
+            operator_actions={("pause", "accepted"): 1, ("remediate", "unauthorized"): 2},
         ),
         counters=stats.counters(),
         self_health=SelfHealth(

@@ -8,13 +8,14 @@ it, and the watchdog, in enforce mode where it could act, must never touch it.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from e2e.harness import worse_than_degraded
+from e2e.harness import OPERATOR_TOKEN, oncall, worse_than_degraded
 from real_omni.server import STAGES, OmniServer, engine_of, watched
 from real_vllm.client import (
     LONG_REQUEST,
@@ -110,6 +111,35 @@ def test_topology_comes_from_the_running_pipeline_without_a_stage_config(
             ]
             served = {(s["stage_id"], s["replica"]) for s in status["stages"] if s["pids"]}
             assert served == {(stage.stage_id, 0) for stage in STAGES}
+
+    asyncio.run(scenario())
+
+
+def test_on_call_sees_the_real_pipeline_and_a_pause_acts_on_nothing(
+    shared_omni: OmniServer, tmp_path: Path
+) -> None:
+    server, _ = shared_omni
+
+    async def scenario() -> None:
+        overrides = {"operator_token": OPERATOR_TOKEN}
+        async with watched(server, tmp_path, "enforce", overrides) as watchdog:
+            await wait_for(lambda: watchdog.state.topology.source == "plugin", 30)
+            code, out, err = await oncall(watchdog, "status", "--json")
+            assert code == 0, err
+            status = json.loads(out)
+            assert [(s["name"], s["state"]) for s in status["stages"]] == [
+                ("thinker", "healthy"),
+                ("talker", "healthy"),
+                ("code2wav", "healthy"),
+            ]
+            assert all(s["pids"] for s in status["stages"])
+            code, _, err = await oncall(watchdog, "pause", "--for", "5m", "--reason", "test")
+            assert code == 0, err
+            code, out, _ = await oncall(watchdog, "status")
+            assert "paused" in out and "test" in out
+            code, _, err = await oncall(watchdog, "resume")
+            assert code == 0, err
+            assert not watchdog.policy.incidents()
 
     asyncio.run(scenario())
 

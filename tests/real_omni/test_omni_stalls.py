@@ -15,7 +15,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from e2e.harness import RECOVERED, incident_done, state
+from e2e.harness import (
+    OPERATOR_TOKEN,
+    RECOVERED,
+    closed_by_id,
+    incident_done,
+    oncall,
+    state,
+)
 from real_omni.judging import in_background, step_of, verdict_on
 from real_omni.server import OmniServer, engine_of, watched
 from real_vllm.client import (
@@ -37,24 +44,37 @@ from omni_watchdog.types import (
 # A server of its own takes two minutes and more to start on two busy cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
+ON_CALL = {"operator_token": OPERATOR_TOKEN}
 
-def test_blocked_forward_is_stalled_and_ended_through_admin_shutdown(
+
+def test_blocked_forward_is_planned_in_dry_run_and_ended_once_on_call_approves(
     fresh_omni: Callable[..., OmniServer], tmp_path: Path
 ) -> None:
     server, faults = fresh_omni()
     talker = StageRef(1)
 
     async def scenario() -> None:
-        async with watched(server, tmp_path) as watchdog, aiohttp.ClientSession() as session:
+        async with (
+            watched(server, tmp_path, "dry-run", ON_CALL) as watchdog,
+            aiohttp.ClientSession() as session,
+        ):
             faults.arm(talker.stage_id, "block")
             in_background(server, session)
             # vLLM-Omni 0.30 answers /health with 200 all along: only the watchdog tells.
             await wait_for(lambda: state(watchdog, talker) is not StageState.HEALTHY, 30)
             assert await health_status(session, server) == 200
-            incident = await incident_done(watchdog, 90)
-            verdict = verdict_on(incident, talker)
-            assert verdict is not None and verdict.state is StageState.STALLED, incident
-            assert EvidenceKind.HEALTH_FAILED not in evidence_kinds(incident)
+            plan = await incident_done(watchdog, 90)
+            verdict = verdict_on(plan, talker)
+            assert verdict is not None and verdict.state is StageState.STALLED, plan
+            assert EvidenceKind.HEALTH_FAILED not in evidence_kinds(plan)
+            assert plan.outcome is IncidentOutcome.PLANNED and server.process.poll() is None
+
+            code, out, err = await oncall(
+                watchdog, "remediate", "--incident", plan.incident_id, "--yes"
+            )
+            assert code == 0, err
+            approved = next(i for i in watchdog.policy.incidents() if i.incident_id in out)
+            incident = await wait_for(lambda: closed_by_id(watchdog, approved.incident_id), 90)
             shutdown = step_of(incident, StepName.SHUTDOWN)
             assert shutdown is not None and shutdown.outcome is StepOutcome.RECOVERED, incident
             assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN, incident.steps
@@ -63,7 +83,7 @@ def test_blocked_forward_is_stalled_and_ended_through_admin_shutdown(
     asyncio.run(scenario())
 
 
-def test_stopped_stage_engine_is_stalled_and_the_tree_ended(
+def test_stopped_stage_engine_is_held_by_a_pause_and_the_tree_ended_after_it(
     fresh_omni: Callable[..., OmniServer], tmp_path: Path
 ) -> None:
     server, _ = fresh_omni()
@@ -71,10 +91,24 @@ def test_stopped_stage_engine_is_stalled_and_the_tree_ended(
     engine = engine_of(server, thinker.stage_id)
 
     async def scenario() -> None:
-        async with watched(server, tmp_path) as watchdog, aiohttp.ClientSession() as session:
+        async with (
+            watched(server, tmp_path, "enforce", ON_CALL) as watchdog,
+            aiohttp.ClientSession() as session,
+        ):
+            code, _, err = await oncall(watchdog, "pause", "--for", "10m", "--reason", "test")
+            assert code == 0, err
             server.signal(engine, signal.SIGSTOP)
             in_background(server, session)
-            incident = await incident_done(watchdog, 90)
+            found = await wait_for(lambda: watchdog.policy.incidents(), 90)
+            incident_id = found[0].incident_id
+            await wait_for(lambda: "held" in watchdog.policy.incident(incident_id).timeline, 60)
+            # Held: the evidence is captured, the server untouched while the pause lasts.
+            await asyncio.sleep(2)
+            assert server.process.poll() is None and closed_by_id(watchdog, incident_id) is None
+
+            code, _, err = await oncall(watchdog, "resume")
+            assert code == 0, err
+            incident = await wait_for(lambda: closed_by_id(watchdog, incident_id), 90)
             verdict = verdict_on(incident, thinker)
             assert verdict is not None and verdict.state is StageState.STALLED, incident
             assert EvidenceKind.PROCESS_STUCK in evidence_kinds(incident)
