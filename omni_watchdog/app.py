@@ -27,6 +27,7 @@ from omni_watchdog.exporters.api import JsonApi
 from omni_watchdog.exporters.prometheus import MetricsExposition
 from omni_watchdog.exporters.traces import IncidentTraces
 from omni_watchdog.log import log_event
+from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.core import Policy
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.span_store import SpanStore
@@ -85,6 +86,7 @@ class Watchdog:
         sight: LoopSight,
         listeners: dict[str, Listener],
         api: JsonApi,
+        operator: OperatorActions,
         exposition: MetricsExposition,
         exporters: tuple[Exporter, ...],
         traces: IncidentTraces | None,
@@ -112,6 +114,7 @@ class Watchdog:
         self._assembler = assembler
         self._sight = sight
         self.api = api
+        self._operator = operator
         self._exporters = exporters
         self.traces = traces
         self.state: WatchdogState = assembler.make(topology, None, None)
@@ -132,7 +135,9 @@ class Watchdog:
         self.otlp_port = await self._serve(
             self.receiver.app(), config.spans.otlp_listen, "otlp", listener_errors
         )
-        self.api_port = await self._serve(self.api.app(), config.listen, "api", listener_errors)
+        api = self.api.app()
+        self._operator.add_routes(api)
+        self.api_port = await self._serve(api, config.listen, "api", listener_errors)
         for probe, every in self._periodic:
             self._spawn(self._probe_loop(probe, every))
         self._spawn(self._evaluate_loop())

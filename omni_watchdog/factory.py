@@ -237,7 +237,7 @@ def _assemble(
     )
     first = assembler.make(topology, None, None)
     exposition = MetricsExposition(clock, first)
-    api = JsonApi(clock, first, exposition, bundles, journal.actions, operator)
+    api = JsonApi(clock, first, exposition, bundles, journal.actions)
     exporters: list[Exporter] = [exposition, api, IncidentHistory(bundles.write_json)]
     traces = IncidentTraces(config.otlp_export_endpoint) if config.otlp_export_endpoint else None
     if traces is not None:
@@ -262,6 +262,7 @@ def _assemble(
         sight=sight,
         listeners=listeners,
         api=api,
+        operator=operator,
         exposition=exposition,
         exporters=tuple(exporters),
         traces=traces,

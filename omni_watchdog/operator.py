@@ -22,13 +22,17 @@ from omni_watchdog.policy.core import ActionRefused, Policy
 from omni_watchdog.policy.incidents import IncidentJournal
 from omni_watchdog.policy.ladder import TargetSnapshot
 from omni_watchdog.policy.maintenance import MaintenanceWindow
-from omni_watchdog.types import Clock, MaintenancePause, OperatorAction, StepName
+from omni_watchdog.types import (
+    ACTION_OUTCOMES,
+    OPERATOR_ACTIONS,
+    Clock,
+    MaintenancePause,
+    OperatorAction,
+    StepName,
+)
 
 logger = logging.getLogger("omni_watchdog.operator")
 
-ACTIONS = ("remediate", "pause", "resume")
-# How an action request ended, as counted: every label value exists from the start.
-ACTION_OUTCOMES = ("accepted", "refused", "bad_request", "unauthorized", "forbidden")
 # An action's body is a few fields; anything larger is not one.
 MAX_ACTION_BODY = 4096
 
@@ -52,7 +56,9 @@ class OperatorActions:
         self._journal = journal
         self._clock = clock
         self._snapshot = snapshot
-        self.counts = {(action, outcome): 0 for action in ACTIONS for outcome in ACTION_OUTCOMES}
+        self.counts = {
+            (action, outcome): 0 for action in OPERATOR_ACTIONS for outcome in ACTION_OUTCOMES
+        }
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/remediate", self._remediate)

@@ -462,6 +462,12 @@ class MaintenancePause:
     reason: str
 
 
+# What an operator may ask of the watchdog, and how a request can end: the label values
+# of `omni_watchdog_operator_actions_total`, every one present from start.
+OPERATOR_ACTIONS = ("remediate", "pause", "resume")
+ACTION_OUTCOMES = ("accepted", "refused", "bad_request", "unauthorized", "forbidden")
+
+
 @dataclass(frozen=True)
 class OperatorAction:
     """One action an operator asked of the watchdog, done or refused, as journaled."""

@@ -1,9 +1,9 @@
 """The watchdog's JSON API: status, the target's real health, incidents with their report
-and stacks, the operator's actions, and /metrics.
+and stacks, and /metrics.
 
 It serves the latest `WatchdogState` the evaluation loop pushed (`export`); nothing here
-reads the watchdog itself. The operator's actions are routes of `operator.py`, behind its
-token; every other route is read-only and open.
+reads the watchdog itself. The watchdog adds the operator's actions (`operator.py`) to
+the same application; every route here is read-only and open.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from aiohttp import web
 from omni_watchdog.exporters.prometheus import MetricsExposition
 from omni_watchdog.exporters.report import render_incident_report
 from omni_watchdog.exporters.views import incident_summary, status_of, target_health
-from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.incidents import to_jsonable
 from omni_watchdog.types import Clock, Incident, IncidentBundles, OperatorAction, WatchdogState
 
@@ -37,7 +36,6 @@ class JsonApi:
         metrics: MetricsExposition,
         bundles: IncidentBundles,
         actions_of: Callable[[str], Sequence[OperatorAction]] = lambda _: (),
-        operator: OperatorActions | None = None,
     ) -> None:
         """`actions_of(incident_id)` lists the operator's journaled actions on it."""
         self._clock = clock
@@ -45,7 +43,6 @@ class JsonApi:
         self._metrics = metrics
         self._bundles = bundles
         self._actions_of = actions_of
-        self._operator = operator
 
     def export(self, state: WatchdogState) -> None:
         self._state = state
@@ -65,8 +62,6 @@ class JsonApi:
         app.router.add_get("/v1/incidents/{incident_id}/report", self._report)
         app.router.add_get("/healthz", self._own_health)
         app.router.add_get("/metrics", self._scrape)
-        if self._operator is not None:
-            self._operator.add_routes(app)
         return app
 
     async def _status(self, _: web.Request) -> web.Response:

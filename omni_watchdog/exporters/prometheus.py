@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from omni_watchdog import __version__
 from omni_watchdog.exporters.views import target_health
-from omni_watchdog.operator import ACTION_OUTCOMES, ACTIONS
 from omni_watchdog.serving import CLOSE_REASONS
 from omni_watchdog.stats import (
     LADDER_STEP_BUCKETS,
@@ -28,6 +27,8 @@ from omni_watchdog.stats import (
     empty_histogram,
 )
 from omni_watchdog.types import (
+    ACTION_OUTCOMES,
+    OPERATOR_ACTIONS,
     Clock,
     EvidenceKind,
     HealthOutcome,
@@ -543,7 +544,7 @@ class MetricsExposition:
         out += (
             f'{PREFIX}operator_actions_total{{action="{action}",outcome="{outcome}"}}'
             f" {remediation.operator_actions.get((action, outcome), 0)}"
-            for action in ACTIONS
+            for action in OPERATOR_ACTIONS
             for outcome in ACTION_OUTCOMES
         )
 

@@ -277,8 +277,14 @@ def test_every_api_route_answers_through_run(running: Running) -> None:
 
         incidents = await call("GET", running.api + "/v1/incidents")
         assert incidents.status == 200 and json.loads(incidents.body) == {"incidents": []}
-        unknown = await call("GET", running.api + "/v1/incidents/no-such-incident")
-        assert (unknown.status, unknown.text) == (404, "no such incident\n")
+        for tail in ("", "/stacks", "/report"):
+            unknown = await call("GET", running.api + "/v1/incidents/no-such-incident" + tail)
+            assert unknown.status == 404 and unknown.headers["Content-Type"].startswith(JSON)
+            assert json.loads(unknown.body) == {"error": "no incident no-such-incident"}
+        # No operator token was configured: every action is refused, and nothing changes.
+        for action in ("remediate", "pause", "resume"):
+            refused = await call("POST", running.api + "/v1/" + action, b"{}")
+            assert refused.status == 403 and "OMNI_WATCHDOG_OPERATOR_TOKEN" in refused.text
 
         assert (await call("GET", running.api + "/v1/no-such-route")).status == 404
         assert (await call("POST", running.api + "/v1/status", b"{}")).status == 405
