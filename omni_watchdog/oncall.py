@@ -188,13 +188,16 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     remediate = add("remediate", "run the remediation ladder now (asks first on a terminal)")
     remediate.add_argument(
-        "--incident", metavar="ID", help="the incident to run it for (default: the watchdog picks)"
+        "--incident",
+        metavar="ID",
+        help="approve the plan of this dry-run or observe incident (default: a new"
+        " incident on the server attached now)",
     )
     remediate.add_argument(
         "--from",
         dest="from_step",
         choices=[step.value for step in StepName],
-        help="start the ladder at this step (default: the first)",
+        help="the first acting step; the capture always runs (default: the whole ladder)",
     )
     remediate.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 

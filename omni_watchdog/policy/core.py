@@ -282,14 +282,15 @@ class Policy:
         if not self._lock.acquire(target.root):
             raise ActionRefused(409, f"no target lock ({self._lock.conflict})")
         wall = self._clock.wall()
+        asked = "capture" if first is None else first.value
         steps = self.planned_steps(None if first is None else first.value)
         skipped = tuple(
-            StepResult(name, StepOutcome.SKIPPED, wall, 0.0, f"the operator started at {first}")
+            StepResult(name, StepOutcome.SKIPPED, wall, 0.0, f"the operator started at {asked}")
             for name in self._runner.step_names
             if name not in steps
         )
-        asked = f"run by the operator from {first.value}" if first else "run by the operator"
-        cause = f"{approved.cause}; {asked}" if approved else asked
+        how = f"run by the operator from {asked}" if first else "run by the operator"
+        cause = f"{approved.cause}; {how}" if approved else how
         if approved is not None:
             cause += f", approving incident {approved.incident_id}"
         new_id = new_incident_id(wall)
@@ -352,7 +353,8 @@ class Policy:
         # An exit's incident is about a server already gone: its orphans still need it.
         if incident.verdicts and target.root is not None and target.root != self._attached:
             return "another server is attached"
-        if not any(self._alive(p.identity) for p in target.processes):
+        # Without a process table in view (another pid namespace) there is nothing to count.
+        if target.processes and not any(self._alive(p.identity) for p in target.processes):
             return "none of the server's processes is left"
         report = self._latest
         stages = {v.stage for v in incident.verdicts}

@@ -111,6 +111,9 @@ def test_from_a_step_skips_the_ones_before_it_but_never_the_capture(
     done = asyncio.run(scenario())
     outcomes = {s.step: s.outcome for s in done.steps}
     assert outcomes[StepName.SHUTDOWN] is outcomes[StepName.TERMINATE] is StepOutcome.SKIPPED
+    skipped = next(s for s in done.steps if s.step is StepName.SHUTDOWN)
+    assert skipped.detail == "the operator started at kill"
+    assert done.cause == "run by the operator from kill"
     assert outcomes[StepName.CAPTURE] is StepOutcome.OK and rig.captures == 1
     assert done.outcome is IncidentOutcome.RECOVERED_BY_KILL
     assert ("killpg", 100, KILL) in fake_psutil.signals
