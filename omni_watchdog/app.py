@@ -12,7 +12,6 @@ evaluations stop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Coroutine, Sequence
@@ -42,6 +41,7 @@ from omni_watchdog.serving import (
 from omni_watchdog.state import StateAssembler
 from omni_watchdog.stats import WatchdogStats
 from omni_watchdog.target import TargetWatch
+from omni_watchdog.tasks import end_tasks
 from omni_watchdog.topology import TopologySenders, replaces
 from omni_watchdog.types import (
     Clock,
@@ -57,6 +57,8 @@ from omni_watchdog.types import (
 logger = logging.getLogger("omni_watchdog.app")
 
 EVALUATE_EVERY = 0.25
+# How long `stop` waits for the loops to end before it gives up on them.
+STOP_PATIENCE = 5.0
 SPANS_EVERY = 0.1
 CANARY_CHECK_EVERY = 0.25
 
@@ -139,9 +141,9 @@ class Watchdog:
         self._operator.add_routes(api)
         self.api_port = await self._serve(api, config.listen, "api", listener_errors)
         for probe, every in self._periodic:
-            self._spawn(self._probe_loop(probe, every))
-        self._spawn(self._evaluate_loop())
-        self._spawn(self._sight_loop())
+            self._spawn(self._probe_loop(probe, every), f"{probe.name} probe")
+        self._spawn(self._evaluate_loop(), "evaluation")
+        self._spawn(self._sight_loop(), "sight")
         await self.policy.resume(self.target.snapshot_of_entry)
         log_event(
             logger,
@@ -155,11 +157,17 @@ class Watchdog:
         )
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        """End the loops, the listeners and a running climb, each in bounded time: a
+        watchdog that cannot stop keeps its ports and its target lock."""
+        stuck = await end_tasks(self._tasks, STOP_PATIENCE)
+        if stuck:
+            log_event(
+                logger,
+                "loops_not_stopped",
+                logging.ERROR,
+                loops=[task.get_name() for task in stuck],
+                patience=STOP_PATIENCE,
+            )
         for listener in self.listeners.values():
             await listener.close()
         await self.policy.close()
@@ -173,8 +181,8 @@ class Watchdog:
 
     # ---- loops --------------------------------------------------------------------
 
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(coroutine))
+    def _spawn(self, coroutine: Coroutine[Any, Any, None], loop_name: str) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coroutine, name=loop_name))
 
     async def _serve(
         self, app: web.Application, listen: str, which: str, errors: RateLimitedLog

@@ -29,6 +29,8 @@ logger = logging.getLogger("omni_watchdog.serving")
 CLOSE_REASONS = ("over_cap", "header_timeout", "bad_request")
 # One log line per kind of listener error in this many seconds; the count is kept whole.
 ERROR_LOG_INTERVAL = 10.0
+# How long a closing listener lets the requests it is serving finish before cancelling them.
+CLOSE_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,8 @@ class Listener:
             auto_decompress=False,
             keepalive_timeout=limits.header_timeout,
             handle_signals=False,
+            # aiohttp's default lets a request still being served hold `close` for a minute.
+            shutdown_timeout=CLOSE_GRACE,
         )
         self._server: asyncio.Server | None = None
         self.port: int | None = None

@@ -14,7 +14,6 @@ server is still the attached one and still needs it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import secrets
@@ -31,6 +30,7 @@ from omni_watchdog.policy.incidents import (
 )
 from omni_watchdog.policy.ladder import LadderRunner, TargetSnapshot
 from omni_watchdog.policy.maintenance import MaintenanceWindow
+from omni_watchdog.tasks import end_tasks
 from omni_watchdog.types import (
     Clock,
     DetectorReport,
@@ -48,6 +48,9 @@ from omni_watchdog.types import (
 )
 
 logger = logging.getLogger("omni_watchdog.policy")
+
+# How long `close` waits for a cancelled climb to end.
+CLOSE_PATIENCE = 5.0
 
 
 class ActionRefused(Exception):
@@ -144,13 +147,18 @@ class Policy:
         if self.mode is Mode.ENFORCE and not self.busy:
             self._hold_attached_lock()
 
-    async def close(self) -> None:
+    async def close(self, patience: float = CLOSE_PATIENCE) -> None:
         """Stop a running climb (the journal lets the next watchdog resume it) and release
-        the target lock."""
-        if self._current is not None and not self._current.done():
-            self._current.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._current
+        the target lock; a climb still running after `patience` seconds is logged and left
+        to end with the process."""
+        if self._current is not None and await end_tasks([self._current], patience):
+            log_event(
+                logger,
+                "climb_not_stopped",
+                logging.ERROR,
+                climb=self._current.get_name(),
+                patience=patience,
+            )
         self._lock.release()
 
     def _hold_attached_lock(self) -> None:
@@ -404,7 +412,9 @@ class Policy:
 
     def _task_for(self, incident: Incident, target: TargetSnapshot) -> None:
         self._record(incident, target)
-        self._current = asyncio.get_running_loop().create_task(self._climb(incident, target))
+        self._current = asyncio.get_running_loop().create_task(
+            self._climb(incident, target), name=f"climb of incident {incident.incident_id}"
+        )
 
     async def _climb(self, incident: Incident, target: TargetSnapshot) -> Incident:
         try:

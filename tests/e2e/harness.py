@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -58,6 +60,25 @@ async def warmed_up(watchdog: Any) -> None:
 def state(watchdog: Any, stage: StageRef) -> StageState | None:
     report = watchdog.state.report
     return next((s.state for s in report.statuses if s.stage == stage), None) if report else None
+
+
+def run_scenario(scenario: Coroutine[Any, Any, Any], limit: float = 240.0) -> Any:
+    """`asyncio.run(scenario)`, failing after `limit` seconds with where every task of the
+    loop was waiting: a hang names its await, not only the thread that ran the loop."""
+
+    async def bounded() -> Any:
+        running = asyncio.ensure_future(scenario)
+        done, _ = await asyncio.wait({running}, timeout=limit)
+        if not done:
+            stacks = io.StringIO()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.print_stack(file=stacks)
+            running.cancel()
+            raise AssertionError(f"scenario still running after {limit:g}s:\n{stacks.getvalue()}")
+        return running.result()
+
+    return asyncio.run(bounded())
 
 
 def worse_than_degraded(watchdog: Any, stages: Any) -> list[str]:

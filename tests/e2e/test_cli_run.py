@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e.harness import FAST, SIM_ENV, in_background, incident_done, warmed_up
+from e2e.harness import FAST, SIM_ENV, in_background, incident_done, run_scenario, warmed_up
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from omni_watchdog.cli import EXIT_CANNOT_START, EXIT_CONFIG
@@ -116,7 +115,7 @@ def test_a_crashed_server_is_recorded_and_its_successor_attached(tmp_path: Path)
             finally:
                 successor.stop()
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 def otlp_bodies(pid: int) -> tuple[bytes, bytes]:
@@ -221,17 +220,22 @@ def test_run_serves_otlp_as_a_collector_does(tmp_path: Path) -> None:
             b"Authorization: Bearer \xff\xfe\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
         )
         assert malformed == b"HTTP/1.1 401 Unauthorized"
-        # /metrics shows the state of the last evaluation, a fraction of a second behind.
+        expected = {
+            "omni_watchdog_spans_received_total": 2,
+            'omni_watchdog_spans_rejected_total{reason="decode_error"}': 1,
+            'omni_watchdog_spans_rejected_total{reason="unauthorized"}': 3,
+        }
+        # /metrics shows the state of the last evaluation, a fraction of a second behind:
+        # one may have counted the first exports and not yet the last refusals.
         deadline = time.monotonic() + 5
         while True:
             with urllib.request.urlopen(f"http://127.0.0.1:{api}/metrics", timeout=5) as response:
                 text = response.read().decode()
-            if metric(text, "omni_watchdog_spans_received_total") or time.monotonic() > deadline:
+            counted = {series: metric(text, series) for series in expected}
+            if counted == expected or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert metric(text, "omni_watchdog_spans_received_total") == 2
-        assert metric(text, 'omni_watchdog_spans_rejected_total{reason="decode_error"}') == 1
-        assert metric(text, 'omni_watchdog_spans_rejected_total{reason="unauthorized"}') == 3
+        assert counted == expected
         assert metric(text, 'omni_watchdog_internal_errors_total{loop="listener"}') == 0
         with urllib.request.urlopen(f"http://127.0.0.1:{api}/healthz", timeout=5) as response:
             assert response.status == 200

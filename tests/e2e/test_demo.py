@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,8 @@ def test_the_demo_prints_the_timeline_and_exits_0_once_memory_is_released() -> N
     # The timeline is the whole output: the watchdog's log goes to a file.
     assert done.stderr == ""
     lines = done.stdout.splitlines()
-    labels = [line.split()[1] for line in lines if line.startswith("    +")]
+    # Offsets are right-aligned: "+9.55s" and "+10.01s" start at different columns.
+    labels = [line.split()[1] for line in lines if re.match(r"\s+\+\d+\.\d+s ", line)]
     for label in ("fault", "verdict", "capture", "shutdown", "terminate", "kill", "verify"):
         assert label in labels, done.stdout
     assert labels.index("fault") < labels.index("verdict") < labels.index("kill")

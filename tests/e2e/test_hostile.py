@@ -21,6 +21,7 @@ from e2e.harness import (
     SIM_ENV,
     in_background,
     incident_done,
+    run_scenario,
     step,
     warmed_up,
     with_fault,
@@ -164,7 +165,7 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
             assert watchdog.detector.in_flight(0) == 0
             assert await metrics_series(watchdog) == series
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 @pytest.mark.parametrize(
@@ -207,7 +208,7 @@ def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: st
                 IncidentOutcome.RECOVERED_BY_KILL,
             ), incident.steps
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 @contextlib.asynccontextmanager
@@ -291,7 +292,7 @@ def test_a_server_broken_before_the_watchdog_came_gets_its_incident(tmp_path: Pa
             assert shutdown is not None and shutdown.outcome in ACCEPTED, incident.steps
             assert incident.outcome in RECOVERED, incident.steps
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 def full_device(path: Path) -> None:
@@ -353,7 +354,7 @@ def test_a_full_disk_never_holds_the_ladder_back(tmp_path: Path) -> None:
             files = [p for p in bundle.rglob("*") if p.is_file()]
             assert files and {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 def test_a_symlink_planted_at_the_lock_path_is_never_followed(tmp_path: Path) -> None:
@@ -384,7 +385,7 @@ def test_a_symlink_planted_at_the_lock_path_is_never_followed(tmp_path: Path) ->
             assert incident.mode is Mode.OBSERVE and "symbolic link" in incident.cause
         assert victim.read_text() == "precious\n"
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 async def healthz(watchdog: Any) -> int:
@@ -451,7 +452,7 @@ def test_loops_survive_their_errors_and_healthz_tells_when_judging_stops(
             assert float(age.split()[1]) > 5
 
     with caplog.at_level("ERROR", logger="omni_watchdog.app"):
-        asyncio.run(scenario())
+        run_scenario(scenario())
     logged = [r for r in caplog.records if r.getMessage() == "internal_error"]
     # Each distinct error once, with its traceback; repeats are only counted.
     errors = [r.__dict__["fields"]["error"] for r in logged]
@@ -504,4 +505,4 @@ def test_a_restarted_watchdog_resumes_on_the_journals_processes_and_gpu(tmp_path
         assert "back to baseline" in steps["verify"].detail, steps["verify"].detail
         assert incident.outcome is IncidentOutcome.RECOVERED_BY_KILL
 
-    asyncio.run(scenario())
+    run_scenario(scenario())

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import pytest
-from e2e.harness import FAST, SIM_ENV
+from e2e.harness import FAST, SIM_ENV, run_scenario
 from e2e.test_cli_run import metric
 from google.protobuf import json_format
 from google.rpc import status_pb2
@@ -297,7 +297,7 @@ def test_every_api_route_answers_through_run(running: Running) -> None:
         assert parsed_families(metrics.text) == set(map(family_name, EXPORTER_FAMILIES))
         running.assert_alive()
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 def test_the_scraped_metrics_pass_promtool(running: Running) -> None:
@@ -315,7 +315,7 @@ def test_metrics_are_gzipped_for_a_scraper_that_asks(running: Running) -> None:
             "GET", running.api + "/metrics", headers={"Accept-Encoding": "gzip"}, decompress=False
         )
 
-    reply = asyncio.run(scenario())
+    reply = run_scenario(scenario())
     assert reply.status == 200
     assert reply.headers.get("Content-Encoding") == "gzip", dict(reply.headers)
     text = gzip.decompress(reply.body).decode()
@@ -397,7 +397,7 @@ def test_bad_request_heads_are_closed_and_the_api_serves_on(running: Running) ->
         assert (await call("GET", running.api + "/healthz")).status == 200
         running.assert_alive()
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 def test_a_burst_of_malformed_heads_does_not_flood_the_log(running: Running) -> None:
@@ -620,4 +620,4 @@ def test_every_otlp_answer_through_run(running: Running) -> None:
         assert health.status == 200, health.text
         running.assert_alive()
 
-    asyncio.run(scenario())
+    run_scenario(scenario())

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from e2e.harness import FAST, SIM_ENV, warmed_up
+from e2e.harness import FAST, SIM_ENV, run_scenario, warmed_up
 from test_alerts import RULES, prometheus_tool
 
 from omni_watchdog.demo import attached, free_port, send_request
@@ -161,7 +161,7 @@ def test_a_hang_fires_the_stage_alert_in_prometheus(
             return alerts
 
     try:
-        alerts = asyncio.run(scenario())
+        alerts = run_scenario(scenario())
     except (AssertionError, TimeoutError) as failure:
         raise AssertionError(f"{failure}\nprometheus log:\n{prometheus.log()}") from failure
     fired = [a for a in alerts if a["labels"]["alertname"] in HANG_ALERTS]

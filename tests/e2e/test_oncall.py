@@ -22,6 +22,7 @@ from e2e.harness import (
     closed_by_id,
     in_background,
     oncall,
+    run_scenario,
     warmed_up,
 )
 from exporters.browser import laid_out
@@ -122,7 +123,7 @@ def test_status_incidents_and_report_show_what_the_watchdog_sees(tmp_path: Path)
             code, _, err = await oncall(watchdog, "incidents", "no-such-incident")
             assert code == 1 and "no incident" in err
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 def test_remediate_runs_the_plan_of_a_dry_run_and_the_tree_is_gone(tmp_path: Path) -> None:
@@ -160,7 +161,7 @@ def test_remediate_runs_the_plan_of_a_dry_run_and_the_tree_is_gone(tmp_path: Pat
                 in text
             )
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 def test_a_pause_holds_an_enforced_action_during_a_real_hang_and_resume_lets_it_run(
@@ -202,7 +203,7 @@ def test_a_pause_holds_an_enforced_action_during_a_real_hang_and_resume_lets_it_
             await wait_for(lambda: watchdog.state.remediation.pause is None, 5)
             assert "omni_watchdog_remediation_paused 0" in await metrics(watchdog)
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 @pytest.mark.parametrize(
@@ -242,4 +243,4 @@ def test_actions_need_the_operator_token(
             status_code, _, _ = await oncall(watchdog, "status", token=None)
             assert status_code == 0
 
-    asyncio.run(scenario())
+    run_scenario(scenario())

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e.harness import FAST, SIM_ENV
+from e2e.harness import FAST, SIM_ENV, run_scenario
 
 from omni_watchdog.demo import attached, send_request, wait_for
 from omni_watchdog.semconv import (
@@ -51,7 +51,7 @@ def test_report_request_produces_admitted_stage_and_heartbeat_spans(tmp_path: Pa
                 stage_pids
             )
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 @pytest.mark.parametrize(
@@ -74,4 +74,4 @@ def test_heartbeats_of_a_blocked_stage_stop(tmp_path: Path, fault: str, blocked:
                 last = wd.detector.last_heartbeat(other)
                 assert last is not None and wd.clock.monotonic() - last < 1.5
 
-    asyncio.run(scenario())
+    run_scenario(scenario())

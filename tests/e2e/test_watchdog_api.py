@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e.harness import FAST, SIM_ENV, with_fault
+from e2e.harness import FAST, SIM_ENV, run_scenario, with_fault
 
 from omni_watchdog.demo import attached, send_request, wait_for
 from omni_watchdog.types import EvidenceKind, StageRef, StageState
@@ -89,7 +89,7 @@ def test_status_target_health_and_incidents(tmp_path: Path) -> None:
             code, _ = await get(watchdog, "/v1/incidents/no-such-incident")
             assert code == 404
 
-    asyncio.run(scenario())
+    run_scenario(scenario())
 
 
 ONE_STAGE = """\
@@ -126,4 +126,4 @@ def test_plain_single_stage_server_without_the_plugin(tmp_path: Path) -> None:
             assert kinds.isdisjoint({EvidenceKind.HEARTBEAT_LOST, EvidenceKind.SPAN_OVERDUE})
             assert watchdog.receiver.stats.spans_accepted == 0
 
-    asyncio.run(scenario())
+    run_scenario(scenario())

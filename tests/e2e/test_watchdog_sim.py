@@ -20,6 +20,7 @@ from e2e.harness import (
     assert_released,
     in_background,
     incident_done,
+    run_scenario,
     state,
     step,
     warmed_up,
@@ -56,7 +57,7 @@ def run(
             # What the watchdog left behind, before the test's own clean-up runs.
             return server.leftover_pids() if remediated else []
 
-    leftovers = asyncio.run(scenario())
+    leftovers = run_scenario(scenario())
     assert not leftovers, f"processes left running: {leftovers}"
 
 
@@ -327,7 +328,7 @@ def test_without_the_process_probe_the_admin_endpoint_ends_a_stall(tmp_path: Pat
             # The test's own clean-up stops it.
             return incident, up_before and not watchdog.target.up, status
 
-    incident, up_then_down, health_status = asyncio.run(scenario())
+    incident, up_then_down, health_status = run_scenario(scenario())
     assert up_then_down, "with no process visible, /health answering is what 'up' means"
     assert incident.verdicts[0].stage.stage_id == 0
     assert incident.verdicts[0].state is StageState.STALLED

