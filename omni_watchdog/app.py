@@ -168,6 +168,7 @@ class Watchdog:
                 loops=[task.get_name() for task in stuck],
                 patience=STOP_PATIENCE,
             )
+        self.tracker.close()
         for listener in self.listeners.values():
             await listener.close()
         await self.policy.close()
@@ -211,7 +212,11 @@ class Watchdog:
                     self._take(probe, observations)
                 except Exception as error:
                     self._errors.record("ingest", error)
-            await asyncio.sleep(max(0.0, every - took))
+            rest = max(0.0, every - took)
+            if probe is self.tracker:
+                await self.tracker.rest(rest)
+            else:
+                await asyncio.sleep(rest)
 
     def _take(self, probe: Probe, observations: Sequence[Observation]) -> None:
         # Before anything that came in after a blind spell is judged, the spell is known.

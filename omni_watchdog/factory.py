@@ -40,6 +40,7 @@ from omni_watchdog.policy.inspect import read_condition
 from omni_watchdog.policy.ladder import LadderRunner, ladder_from_config
 from omni_watchdog.policy.maintenance import MaintenanceWindow
 from omni_watchdog.probes.canary import CanaryProbe
+from omni_watchdog.probes.exits import ExitNotices
 from omni_watchdog.probes.gpu import GpuProbe, load_nvml
 from omni_watchdog.probes.health import HealthProbe
 from omni_watchdog.probes.metrics import MetricsProbe
@@ -118,6 +119,8 @@ def _assemble(
         topology=topology,
         start_time=start_time,
         server_topology=read_server_config,
+        # A pidfd names a process of this kernel; the pids of a fake table are not its.
+        exit_notices=ExitNotices(start_time) if process_table is psutil else None,
     )
     # Without the process probe nothing records the senders' processes: spans are then
     # judged only against the topology.

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from omni_watchdog import process_start
+from omni_watchdog.probes.exits import ExitNotices
 from omni_watchdog.redact import redact_argv
 from omni_watchdog.topology import observed_topology
 from omni_watchdog.types import (
@@ -146,6 +147,7 @@ class ProcessTracker:
         start_time: Callable[[int], float] = process_start.start_time,
         start_time_of_ticks: Callable[[int], float] = process_start.start_time_of_ticks,
         server_topology: Callable[[int], Topology | None] = lambda pid: None,
+        exit_notices: ExitNotices | None = None,
     ) -> None:
         if pid is None and target_port is None:
             raise ValueError("ProcessTracker needs the server's pid or its port")
@@ -159,6 +161,7 @@ class ProcessTracker:
         self._start_time = start_time
         self._start_time_of_ticks = start_time_of_ticks
         self._server_topology = server_topology
+        self._exits = exit_notices
         self._current: _Generation | None = None
         self._previous: _Generation | None = None
         self._learned: dict[int, tuple[StageRef, ProcessRole | None]] = {}
@@ -271,7 +274,27 @@ class ProcessTracker:
             scan = await asyncio.to_thread(self._scan, root, recorded)
         except self._psutil.Error as error:
             raise ProbeError(f"cannot read the process table: {error!r}") from None
-        return self._apply(scan)
+        observations = self._apply(scan)
+        if self._exits is not None:
+            self._exits.watch(
+                info.identity
+                for info in self.live()
+                if info.status not in (ProcessStatus.ZOMBIE, ProcessStatus.EXITED)
+            )
+        return observations
+
+    async def rest(self, seconds: float) -> None:
+        """Wait until the next scan is due, or until the kernel says a recorded process
+        exited: the scan that records the exit then runs at once."""
+        if self._exits is None:
+            await asyncio.sleep(seconds)
+        else:
+            await self._exits.rest(seconds)
+
+    def close(self) -> None:
+        """Let go of the exit notices' descriptors."""
+        if self._exits is not None:
+            self._exits.close()
 
     def _scan(self, root: ProcessIdentity | None, recorded: list[ProcessIdentity]) -> _Scan:
         """Read the process table: the current tree, recorded processes outside it, a new root."""

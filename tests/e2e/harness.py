@@ -74,8 +74,12 @@ def run_scenario(scenario: Coroutine[Any, Any, Any], limit: float = 240.0) -> An
             for task in asyncio.all_tasks():
                 if task is not asyncio.current_task():
                     task.print_stack(file=stacks)
+            message = f"scenario still running after {limit:g}s:\n{stacks.getvalue()}"
+            # Also on stderr: a task that will not be cancelled holds `asyncio.run` past
+            # this error, and pytest-timeout's report then shows only captured output.
+            print(message, file=sys.stderr, flush=True)
             running.cancel()
-            raise AssertionError(f"scenario still running after {limit:g}s:\n{stacks.getvalue()}")
+            raise AssertionError(message)
         return running.result()
 
     return asyncio.run(bounded())

@@ -23,6 +23,7 @@ from fakes import SERVER_PORT, FakePsutil
 
 from omni_watchdog.clock import FakeClock, SystemClock
 from omni_watchdog.policy.actuators import SignalGuard, is_alive
+from omni_watchdog.probes.exits import ExitNotices
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.process_start import start_time
 from omni_watchdog.types import (
@@ -646,6 +647,44 @@ def test_orphan_after_the_middle_process_is_killed(servers: Servers) -> None:
     assert set(outcomes[:-1]) <= {"sleeping", "zombie"}
     assert engine.pid not in {i.pid for i in tracker.live()}
     assert tracker.is_recorded(engine.identity)
+
+
+def test_the_kill_of_an_engine_ends_the_rest_before_the_next_scan_is_due(
+    servers: Servers,
+) -> None:
+    port = free_port()
+    server = servers.start(port)
+    notices = ExitNotices(start_time)
+    tracker = ProcessTracker(
+        psutil,
+        SystemClock(),
+        own_pid=os.getpid(),
+        target_port=None,
+        pid=server.pid,
+        topology=TWO_STAGES,
+        exit_notices=notices,
+    )
+    servers.trackers.append(tracker)
+    until(tracker, tree_ready)
+
+    async def scenario() -> tuple[bool, ProcessStatus, bool]:
+        await tracker.collect()
+        engine = engines(tracker)[0]
+        watched = engine.identity in notices.watched
+        resting = asyncio.create_task(tracker.rest(60))
+        await asyncio.sleep(0)
+        os.kill(engine.pid, signal.SIGKILL)
+        done, _ = await asyncio.wait({resting}, timeout=10)
+        await tracker.collect()
+        tracker.close()
+        return bool(done), by_pid(tracker)[engine.pid].status, watched
+
+    ended, status, watched = asyncio.run(scenario())
+    assert watched
+    assert ended
+    # Its parent has not reaped it yet, or has: either way the scan records the exit.
+    assert status in (ProcessStatus.ZOMBIE, ProcessStatus.EXITED)
+    assert notices.watched == frozenset()
 
 
 def test_reattach_to_a_restarted_server(servers: Servers) -> None:
