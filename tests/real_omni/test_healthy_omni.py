@@ -78,8 +78,12 @@ def test_every_stage_engine_beats_with_its_stage_and_replica(
 
             by_pid = await wait_for(beats, 15)
             assert by_pid == {pid: StageRef(stage_id, 0) for stage_id, pid in engines.items()}
-            for stage in STAGES:
-                assert watchdog.detector.last_heartbeat(stage) is not None
+            # The receiver keeps a span as it arrives; the detector reads it at the next
+            # collection, a probe interval later.
+            await wait_for(
+                lambda: all(watchdog.detector.last_heartbeat(stage) is not None for stage in STAGES),
+                10,
+            )
 
     asyncio.run(scenario())
 

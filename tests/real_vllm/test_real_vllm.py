@@ -141,7 +141,8 @@ def test_plugin_heartbeats_arrive_from_the_engine_core(
                 10,
             )
             assert beats[0].stage == STAGE
-            assert watchdog.detector.last_heartbeat(STAGE) is not None
+            # The detector reads a kept span at the next collection, a probe interval later.
+            await wait_for(lambda: watchdog.detector.last_heartbeat(STAGE) is not None, 10)
 
     asyncio.run(scenario())
 
