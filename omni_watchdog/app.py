@@ -3,15 +3,19 @@ each evaluation's state goes out to the exporters.
 
 `factory.build_watchdog` makes every component; `Watchdog` only runs the loops. Everything
 runs on one event loop. Each probe has its own periodic task, so a probe that hangs or
-fails only delays itself; the evaluation task judges every `EVALUATE_EVERY` and pushes a
-new `WatchdogState` to every exporter. Every loop survives its own errors: each is logged
-once with its traceback, counted by loop, and the loop goes on; /healthz fails once
-evaluations stop.
+fails only delays itself; the evaluation task judges every `EVALUATE_EVERY`, and at once
+on news that may settle a verdict (an exit, a failed /health or canary) or when a timeout
+runs out, and pushes a new `WatchdogState` to every exporter. A stage process's exit also
+sends the /health probe at once, and every `ASKING_EVERY` for `confirm_timeout`, so that
+the server's own word follows the exit. Every
+loop survives its own errors: each is logged once with its traceback, counted by loop, and
+the loop goes on; /healthz fails once evaluations stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Coroutine, Sequence
@@ -28,6 +32,7 @@ from omni_watchdog.exporters.traces import IncidentTraces
 from omni_watchdog.log import log_event
 from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.core import Policy
+from omni_watchdog.probes.health import HealthProbe
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import SpanReceiver
@@ -47,6 +52,7 @@ from omni_watchdog.types import (
     Clock,
     DetectorReport,
     Exporter,
+    HealthOutcome,
     Observation,
     ObservationKind,
     Probe,
@@ -59,6 +65,11 @@ logger = logging.getLogger("omni_watchdog.app")
 EVALUATE_EVERY = 0.25
 # How long `stop` waits for the loops to end before it gives up on them.
 STOP_PATIENCE = 5.0
+# After a stage process exits, /health is asked this often until the exit alone would
+# confirm the death: a server may answer once more before its loop stops for good.
+ASKING_EVERY = 0.25
+# Judged this long after a timeout runs out, so that it has run out when judged.
+DUE_SLACK = 0.005
 SPANS_EVERY = 0.1
 CANARY_CHECK_EVERY = 0.25
 
@@ -122,6 +133,9 @@ class Watchdog:
         self.state: WatchdogState = assembler.make(topology, None, None)
         self._last_evaluation: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._look_now = {probe.name: asyncio.Event() for probe, _ in periodic}
+        self._judge_now = asyncio.Event()
+        self._asking_until = 0.0
         self._generation = 0
         self.api_port: int | None = None
         self.otlp_port: int | None = None
@@ -212,11 +226,14 @@ class Watchdog:
                     self._take(probe, observations)
                 except Exception as error:
                     self._errors.record("ingest", error)
-            rest = max(0.0, every - took)
+            period = every
+            if probe.name == HealthProbe.name and self.clock.monotonic() < self._asking_until:
+                period = min(every, ASKING_EVERY)
+            rest = max(0.0, period - took)
             if probe is self.tracker:
                 await self.tracker.rest(rest)
             else:
-                await asyncio.sleep(rest)
+                await _rest_unless(self._look_now[probe.name], rest)
 
     def _take(self, probe: Probe, observations: Sequence[Observation]) -> None:
         # Before anything that came in after a blind spell is judged, the spell is known.
@@ -231,8 +248,15 @@ class Watchdog:
             for pid, (stage, kind) in self.store.pid_stages().items():
                 self.tracker.learn_stage(pid, stage, kind)
         self.target.observe(observations)
+        exits = self.detector.stage_exits
         self.detector.observe(observations)
         self.stats.observe(observations)
+        exited = self.detector.stage_exits != exits
+        if exited and HealthProbe.name in self._look_now:
+            self._look_now[HealthProbe.name].set()
+            self._asking_until = self.clock.monotonic() + self.config.detection.confirm_timeout
+        if exited or _failed_answer(observations):
+            self._judge_now.set()
         if probe is self.tracker and self.tracker.generation != self._generation:
             self._reattach()
 
@@ -287,7 +311,10 @@ class Watchdog:
             except Exception as error:
                 self._errors.record("evaluate", error)
                 self._publish_self_health()
-            await asyncio.sleep(EVALUATE_EVERY)
+            now = self.clock.monotonic()
+            due = self.detector.next_due(now)
+            rest = EVALUATE_EVERY if due is None else min(EVALUATE_EVERY, due - now + DUE_SLACK)
+            await _rest_unless(self._judge_now, rest)
 
     def _evaluate(self) -> None:
         """Judge the stages once, hand the report to the policy, and publish the state."""
@@ -316,6 +343,22 @@ class Watchdog:
                 exporter.export(state)
             except Exception as error:  # one exporter's bug must not starve the others
                 self._errors.record("evaluate", error)
+
+
+async def _rest_unless(wake: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, or until `wake` is set; it is cleared for the next rest."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(wake.wait(), seconds)
+    wake.clear()
+
+
+def _failed_answer(observations: Sequence[Observation]) -> bool:
+    """Whether /health or the canary failed: news that may confirm a verdict."""
+    return any(
+        obs.kind in (ObservationKind.HEALTH, ObservationKind.CANARY)
+        and obs.outcome is not HealthOutcome.OK
+        for obs in observations
+    )
 
 
 def _log_report(report: DetectorReport) -> None:

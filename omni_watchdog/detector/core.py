@@ -9,7 +9,9 @@ The rules (docs/design.md, Detection):
 - spans never outweigh the world: a stage with a stopped (T) process, or with counters
   flat while work is queued, is judged on that whatever its heartbeats and spans say;
 - a verdict needs two independent kinds of evidence, or one held for `confirm_timeout`;
-- `dead` needs a stage process to have exited while the server lives;
+- `dead` needs a stage process to have exited while the server lives; a /health that
+  failed (503 or timeout, not refused) or a canary that failed after the exit confirms it
+  at once: a hard fact and the server's own word, each from its own probe;
 - target-wide evidence (/health, the canary) is charged to the stages that show no
   liveness of their own, so a healthy stage is not blamed for its neighbour;
 - the watchdog's own blindness is not the server's silence: heartbeat and span silence
@@ -91,6 +93,8 @@ class Detector:
         # The watchdog's, not the target's: kept across a re-attach.
         self._blind = BlindSpells()
         self.set_aside = dict.fromkeys((ObservationKind.HEALTH, ObservationKind.CANARY), 0)
+        # Stage processes seen to exit while their server lived, each once: news to act on.
+        self.stage_exits = 0
         self.reset(topology, start)
 
     def reset(self, topology: Topology, start: float) -> None:
@@ -112,6 +116,9 @@ class Detector:
         self._health_confirmed_at = 0.0
         self._health_detail = ""
         self._canary_failed_at: float | None = None
+        # The latest failed /health (not refused) and canary, while they go on failing.
+        self._health_unwell: tuple[float, str] | None = None
+        self._canary_last_failed: float | None = None
         self._canary_detail = ""
         self._root: ProcessInfo | None = None
         self._root_exited_at: float | None = None
@@ -217,6 +224,7 @@ class Detector:
             if self._first_healthy is None:
                 self._first_healthy = obs.time
             self._health_failures = 0
+            self._health_unwell = None
             return
         self._health_failures += 1
         if self._health_failures == 1:
@@ -227,16 +235,19 @@ class Detector:
         # A refused connection is what any stopping server shows; it says nothing of a crash.
         if obs.outcome is not HealthOutcome.REFUSED:
             self._sign(obs.time, f"/health {self._health_detail}")
+            self._health_unwell = (obs.time, self._health_detail)
 
     def _on_canary(self, obs: Observation) -> None:
         if self._blind_during(obs):
             return
         if obs.outcome is HealthOutcome.OK:
             self._canary_failed_at = None
+            self._canary_last_failed = None
             self._canary_detail = ""
             return
         if self._canary_failed_at is None:
             self._canary_failed_at = obs.time
+        self._canary_last_failed = obs.time
         self._canary_detail = f"canary {_word(obs)} {obs.detail}".strip()
         self._sign(obs.time, self._canary_detail)
 
@@ -272,6 +283,7 @@ class Detector:
                 known.exited_at = obs.time
                 if info.role in _STAGE_ROLES and self._root_alive():
                     self._stage_exit_seen = True
+                    self.stage_exits += 1
                     self._sign(obs.time, f"{info.role.value} pid {info.pid} of stage exited")
             known.info = info
             return
@@ -338,6 +350,23 @@ class Detector:
         memory = self._stages.get(ref)
         return memory.progress_changed_at if memory else None
 
+    def next_due(self, now: float) -> float | None:
+        """The first moment after `now` at which a timeout runs out for what is known now:
+        a stage's heartbeat silence, a stopped or D-state process. Judging then, rather
+        than at the next tick, gives the verdict as soon as the rules allow."""
+        config = self._config
+        due: list[float] = []
+        for memory in self._stages.values():
+            if memory.last_heartbeat is not None:
+                due.append(memory.last_heartbeat + config.heartbeat_timeout)
+            due.extend(
+                process.status_since + config.stuck_timeout
+                for process in memory.processes.values()
+                if process.exited_at is None
+                and process.info.status in (ProcessStatus.STOPPED, ProcessStatus.DISK_SLEEP)
+            )
+        return min((moment for moment in due if moment > now), default=None)
+
     # ---- evaluation ---------------------------------------------------------------
 
     def evaluate(self, now: float) -> DetectorReport:
@@ -354,6 +383,7 @@ class Detector:
                 evidence.extend(
                     Evidence(kind, ref, since, detail) for kind, since, detail in shared
                 )
+            evidence.extend(self._after_exit(ref, evidence))
             if not self._root_alive():
                 state = StageState.DEAD
                 evidence = [self._server_gone(ref)]
@@ -551,6 +581,39 @@ class Detector:
         if self._canary_failed_at is not None:
             shared.append((EvidenceKind.CANARY_FAILED, self._canary_failed_at, self._canary_detail))
         return shared
+
+    def _after_exit(self, ref: StageRef, evidence: list[Evidence]) -> list[Evidence]:
+        """What the server said after one of the stage's processes exited: one failed
+        /health or canary then confirms the death without waiting for N in a row. A refused
+        /health is what a server that stops on purpose shows first, so it never counts."""
+        exit_at = min(
+            (e.since for e in evidence if e.kind is EvidenceKind.PROCESS_EXIT), default=None
+        )
+        if exit_at is None:
+            return []
+        kinds = {e.kind for e in evidence}
+        found: list[Evidence] = []
+        unwell = self._health_unwell
+        if EvidenceKind.HEALTH_FAILED not in kinds and unwell is not None and unwell[0] >= exit_at:
+            found.append(
+                Evidence(
+                    EvidenceKind.HEALTH_FAILED,
+                    ref,
+                    unwell[0],
+                    f"/health {unwell[1]} after the exit",
+                )
+            )
+        canary = self._canary_last_failed
+        if EvidenceKind.CANARY_FAILED not in kinds and canary is not None and canary >= exit_at:
+            found.append(
+                Evidence(
+                    EvidenceKind.CANARY_FAILED,
+                    ref,
+                    canary,
+                    f"{self._canary_detail} after the exit",
+                )
+            )
+        return found
 
     def _gpu_held(self, ref: StageRef, memory: _StageMemory, now: float) -> list[Evidence]:
         live_pids = {pid for pid, p in memory.processes.items() if p.exited_at is None}

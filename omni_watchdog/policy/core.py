@@ -329,11 +329,15 @@ class Policy:
     def open_incident_id(self) -> str | None:
         return next((i.incident_id for i in self.incidents() if i.closed is None), None)
 
+    def _holds(self, incident: Incident) -> bool:
+        """A maintenance pause is on, and `incident` is not one an operator started."""
+        return self.window.current() is not None and incident.incident_id not in self._by_operator
+
     async def _hold(self, incident: Incident, target: TargetSnapshot) -> Incident:
         """Wait out a maintenance pause before the first acting step; after it, act only
         if the incident's server is still the attached one and still needs it."""
         pause = self.window.current()
-        if pause is None or incident.incident_id in self._by_operator:
+        if pause is None or not self._holds(incident):
             return incident
         until = time.strftime("%H:%M:%SZ", time.gmtime(pause.until))
         incident = dataclasses.replace(
@@ -423,6 +427,7 @@ class Policy:
                 target,
                 lambda step: self._record(step, target),
                 lambda held: self._hold(held, target),
+                self._holds,
             )
             verify = next((s for s in finished.steps if s.step is StepName.VERIFY), None)
             timeline = dict(finished.timeline)

@@ -35,6 +35,8 @@ from omni_watchdog.types import (
 GPU_TOLERANCE_BYTES = 64 * 2**20
 _POLL = 0.05
 
+# Scheduler states (psutil's names) in which a process runs no code: SIGSTOP or a tracer.
+_CANNOT_ANSWER = frozenset({"stopped", "tracing-stop"})
 # How the shutdown step says that the server went away on its own: then it crashed.
 EXITED_BY_ITSELF = "the server exited by itself"
 # The bundle file naming the processes that outlived SIGKILL, with state and wait channel.
@@ -156,36 +158,57 @@ class LadderRunner:
         snapshot: TargetSnapshot,
         on_step: Callable[[Incident], None],
         hold: Callable[[Incident], Awaitable[Incident]] | None = None,
+        holding: Callable[[Incident], bool] = lambda incident: False,
     ) -> Incident:
         """Run the steps not done yet. `hold` is awaited once before the first step that
-        acts on the server, and may hand back the incident changed (in another mode)."""
+        acts on the server, and may hand back the incident changed (in another mode);
+        `holding` says whether it would wait now.
+
+        In enforce mode a capture followed by the shutdown step runs while the shutdown
+        request waits: both are bounded, the request needs no stack, and a server that
+        answers nothing costs the longer of the two rather than their sum. The capture is
+        recorded first, as the step before. Under a pause the capture runs alone, so that
+        it is on record while the incident is held."""
         done = {result.step for result in incident.steps}
         recovered_by: StepName | None = None
         crashed = incident.crashed
-        for step in self._steps:
-            if step.name in done:
-                continue
-            if recovered_by is not None and step.name is not StepName.VERIFY:
-                continue
-            if hold is not None and incident.mode is Mode.ENFORCE and step.name in ACTING_STEPS:
-                held = await hold(incident)
-                hold = None
-                if held is not incident:
-                    incident = held
-                    on_step(incident)
-            if incident.mode is not Mode.ENFORCE and step.name is not StepName.CAPTURE:
-                result = self._plan(step, snapshot)
-            else:
-                result, exited_by_itself = await self._perform(step, incident, snapshot)
-                crashed = crashed or exited_by_itself
-            incident = dataclasses.replace(incident, steps=(*incident.steps, result))
-            on_step(incident)
-            if (
-                step.name in _RECOVERED_BY
-                and incident.mode is Mode.ENFORCE
-                and result.outcome is StepOutcome.RECOVERED
-            ):
-                recovered_by = step.name
+        capturing: asyncio.Task[tuple[StepResult, bool]] | None = None
+        try:
+            for index, step in enumerate(self._steps):
+                if step.name in done:
+                    continue
+                if recovered_by is not None and step.name is not StepName.VERIFY:
+                    continue
+                if self._shutdown_follows(index, incident, done) and not holding(incident):
+                    capturing = asyncio.get_running_loop().create_task(
+                        self._perform(step, incident, snapshot),
+                        name=f"capture of incident {incident.incident_id}",
+                    )
+                    continue
+                if hold is not None and incident.mode is Mode.ENFORCE and step.name in ACTING_STEPS:
+                    held = await hold(incident)
+                    hold = None
+                    if held is not incident:
+                        incident = held
+                        on_step(incident)
+                if incident.mode is not Mode.ENFORCE and step.name is not StepName.CAPTURE:
+                    result = self._plan(step, snapshot)
+                else:
+                    result, exited_by_itself = await self._perform(step, incident, snapshot)
+                    crashed = crashed or exited_by_itself
+                if capturing is not None:
+                    incident = self._add(incident, (await capturing)[0], on_step)
+                    capturing = None
+                incident = self._add(incident, result, on_step)
+                if (
+                    step.name in _RECOVERED_BY
+                    and incident.mode is Mode.ENFORCE
+                    and result.outcome is StepOutcome.RECOVERED
+                ):
+                    recovered_by = step.name
+        finally:
+            if capturing is not None:
+                capturing.cancel()
         cause = incident.cause
         if crashed and not incident.crashed:
             cause += f"; the server crashed: {EXITED_BY_ITSELF}"
@@ -196,6 +219,25 @@ class LadderRunner:
             closed=self._clock.wall(),
             crashed=crashed,
         )
+
+    def _shutdown_follows(self, index: int, incident: Incident, done: set[StepName]) -> bool:
+        """The step at `index` is a capture that the shutdown step comes right after."""
+        following = self._steps[index + 1 : index + 2]
+        return (
+            incident.mode is Mode.ENFORCE
+            and self._steps[index].name is StepName.CAPTURE
+            and bool(following)
+            and following[0].name is StepName.SHUTDOWN
+            and StepName.SHUTDOWN not in done
+        )
+
+    @staticmethod
+    def _add(
+        incident: Incident, result: StepResult, on_step: Callable[[Incident], None]
+    ) -> Incident:
+        incident = dataclasses.replace(incident, steps=(*incident.steps, result))
+        on_step(incident)
+        return incident
 
     def _outcome(self, incident: Incident, recovered_by: StepName | None) -> IncidentOutcome:
         if incident.mode is Mode.DRY_RUN:
@@ -278,6 +320,17 @@ class LadderRunner:
                     snapshot, f"{EXITED_BY_ITSELF} within {grace:g}s of its 503"
                 )
                 return StepOutcome.SKIPPED, detail, True
+        if snapshot.root is not None:
+            condition = self._inspect(snapshot.root)
+            if condition.state in _CANNOT_ANSWER:
+                # A stopped process answers nothing until it is continued: waiting out the
+                # request's timeout would only delay the signals that can end it.
+                return (
+                    StepOutcome.SKIPPED,
+                    f"the server process pid {snapshot.root.pid} is {condition.state}:"
+                    " it cannot answer a request",
+                    False,
+                )
         answer = await self._actuators.request_shutdown(
             self._admin_url,
             self._config.admin_method,

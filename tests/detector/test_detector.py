@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -835,3 +836,97 @@ def test_a_dropped_stage_without_a_signal_of_its_own_is_forgotten() -> None:
     detector = Detector(CONFIG, THREE_STAGES, 0.0)
     detector.set_topology(ONE_STAGE, 1.0)
     assert [s.stage for s in detector.evaluate(2.0).statuses] == [S0]
+
+
+def warmed_with_an_engine(clock: FakeClock) -> tuple[Detector, ProcessInfo]:
+    """A one-stage server, healthy and beating for 10 s: past warm-up, nothing judged."""
+    detector = Detector(CONFIG, ONE_STAGE, clock.monotonic())
+    engine = process(200, S0, ProcessRole.ENGINE, ProcessStatus.SLEEPING)
+    for _ in range(10):
+        now = clock.monotonic()
+        detector.observe(
+            [
+                Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK),
+                Observation(ObservationKind.HEARTBEAT, now, stage=S0),
+                Observation(ObservationKind.PROCESS, now, process=ROOT, outcome=ROOT.status),
+                Observation(ObservationKind.PROCESS, now, process=engine, outcome=engine.status),
+            ]
+        )
+        assert not detector.evaluate(now).verdicts
+        clock.advance(1.0)
+    return detector, engine
+
+
+@pytest.mark.parametrize(
+    ("kind", "outcome", "dead"),
+    [
+        (ObservationKind.HEALTH, HealthOutcome.TIMEOUT, True),
+        (ObservationKind.HEALTH, HealthOutcome.UNHEALTHY, True),
+        (ObservationKind.CANARY, HealthOutcome.TIMEOUT, True),
+        (ObservationKind.CANARY, HealthOutcome.ERROR, True),
+        # What a server that stops on purpose shows first: no confirmation.
+        (ObservationKind.HEALTH, HealthOutcome.REFUSED, False),
+        (ObservationKind.HEALTH, HealthOutcome.OK, False),
+    ],
+)
+def test_a_death_is_confirmed_by_the_first_failed_answer_after_it(
+    kind: ObservationKind, outcome: HealthOutcome, dead: bool
+) -> None:
+    clock = FakeClock()
+    detector, engine = warmed_with_an_engine(clock)
+    exited_at = clock.advance(0.1)
+    detector.observe(
+        [
+            Observation(
+                ObservationKind.PROCESS, exited_at, process=engine, outcome=ProcessStatus.EXITED
+            )
+        ]
+    )
+    # The heartbeats are still fresh: the exit alone is one kind, not a verdict.
+    assert state_of(detector.evaluate(exited_at), S0) is StageState.DEGRADED
+    answered = clock.advance(0.3)
+    detector.observe([Observation(kind, answered, outcome=outcome, detail="x")])
+    report = detector.evaluate(answered)
+    if dead:
+        (verdict,) = report.verdicts
+        assert verdict.stage == S0 and verdict.state is StageState.DEAD
+        assert any(e.detail.endswith("after the exit") for e in verdict.evidence)
+    else:
+        assert not report.verdicts
+        assert state_of(report, S0) is StageState.DEGRADED
+
+
+def test_a_failed_health_before_the_exit_does_not_confirm_it() -> None:
+    clock = FakeClock()
+    detector, engine = warmed_with_an_engine(clock)
+    failed_at = clock.advance(0.1)
+    detector.observe(
+        [Observation(ObservationKind.HEALTH, failed_at, outcome=HealthOutcome.TIMEOUT)]
+    )
+    exited_at = clock.advance(0.2)
+    detector.observe(
+        [
+            Observation(
+                ObservationKind.PROCESS, exited_at, process=engine, outcome=ProcessStatus.EXITED
+            )
+        ]
+    )
+    report = detector.evaluate(exited_at)
+    assert not report.verdicts and state_of(report, S0) is StageState.DEGRADED
+
+
+def test_the_next_judgement_is_due_when_a_timeout_runs_out() -> None:
+    clock = FakeClock()
+    detector, engine = warmed_with_an_engine(clock)
+    last_beat = clock.monotonic() - 1.0
+    assert detector.next_due(clock.monotonic()) == last_beat + CONFIG.heartbeat_timeout
+    stopped_at = clock.monotonic()
+    frozen = dataclasses.replace(engine, status=ProcessStatus.STOPPED)
+    detector.observe(
+        [Observation(ObservationKind.PROCESS, stopped_at, process=frozen, outcome=frozen.status)]
+    )
+    assert detector.next_due(stopped_at) == min(
+        last_beat + CONFIG.heartbeat_timeout, stopped_at + CONFIG.stuck_timeout
+    )
+    # Run out already: nothing more is due from what is known.
+    assert detector.next_due(stopped_at + 10.0) is None

@@ -29,6 +29,7 @@ from omni_watchdog.policy.incidents import (
     append_private,
     replace_private,
 )
+from omni_watchdog.policy.inspect import read_condition
 from omni_watchdog.policy.ladder import (
     LadderRunner,
     TargetSnapshot,
@@ -158,6 +159,7 @@ class Rig:
             "token",
             sleep=self.clock.sleep,
             server_gone=lambda: server_gone,
+            inspect=lambda identity: read_condition(identity, self.fake, self.tmp_path),
         )
         return Policy(
             self.mode,

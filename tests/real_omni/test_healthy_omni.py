@@ -80,9 +80,9 @@ def test_every_stage_engine_beats_with_its_stage_and_replica(
             assert by_pid == {pid: StageRef(stage_id, 0) for stage_id, pid in engines.items()}
             # The receiver keeps a span as it arrives; the detector reads it at the next
             # collection, a probe interval later.
+            detector = watchdog.detector
             await wait_for(
-                lambda: all(watchdog.detector.last_heartbeat(stage) is not None for stage in STAGES),
-                10,
+                lambda: all(detector.last_heartbeat(stage) is not None for stage in STAGES), 10
             )
 
     asyncio.run(scenario())

@@ -1,0 +1,151 @@
+"""The ladder wastes no time: a capture overlaps the shutdown request, and a server that
+cannot answer is not asked. Its order and its guards stay those of test_policy."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from fakes import FakePsutil
+from policy.test_policy import TERM, Rig, report, the_0_11_tree
+
+from omni_watchdog.policy.ladder import TargetSnapshot
+from omni_watchdog.types import (
+    Incident,
+    IncidentOutcome,
+    Mode,
+    StepName,
+    StepOutcome,
+    StepResult,
+)
+
+# Real seconds a side waits for the other before it gives up: reached only when the two
+# do not overlap, which is the failure these tests look for.
+PATIENCE = 5.0
+
+
+class AdminEndpoint:
+    """A server's /admin/shutdown that answers 202 once `answer` is set."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+        self.answer = asyncio.Event()
+        self.calls = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.calls += 1
+        self.asked.set()
+        await asyncio.wait_for(self.answer.wait(), PATIENCE)
+        return web.Response(status=202, text='{"status": "shutting down"}')
+
+
+@asynccontextmanager
+async def admin_endpoint(endpoint: AdminEndpoint) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/admin/shutdown", endpoint.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/admin/shutdown"
+    finally:
+        await runner.cleanup()
+
+
+class CaptureRig(Rig):
+    """A rig whose capture waits for the shutdown request to arrive, then lets it answer."""
+
+    def __init__(self, tmp_path: Path, fake: FakePsutil, endpoint: AdminEndpoint) -> None:
+        super().__init__(tmp_path, fake, Mode.ENFORCE)
+        self.endpoint = endpoint
+
+    async def capture(self, incident: Incident, snapshot: TargetSnapshot) -> StepResult:
+        self.captures += 1
+        try:
+            await asyncio.wait_for(self.endpoint.asked.wait(), PATIENCE)
+        except asyncio.TimeoutError:
+            detail = "captured before the shutdown request"
+        else:
+            detail = "captured while the shutdown request waited"
+        self.endpoint.answer.set()
+        return StepResult(StepName.CAPTURE, StepOutcome.OK, self.clock.wall(), 0.0, detail)
+
+
+def test_the_capture_runs_while_the_shutdown_request_waits(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    endpoint = AdminEndpoint()
+    rig = CaptureRig(tmp_path, fake_psutil, endpoint)
+    the_0_11_tree(rig)
+
+    async def scenario() -> Incident:
+        async with admin_endpoint(endpoint) as url, aiohttp.ClientSession() as session:
+            policy = rig.policy(session, admin_url=url)
+            task = policy.on_report(report(), rig.snapshot)
+            assert task is not None
+            return await task
+
+    incident = asyncio.run(scenario())
+    steps = [(s.step, s.outcome) for s in incident.steps]
+    assert steps[:2] == [
+        (StepName.CAPTURE, StepOutcome.OK),
+        (StepName.SHUTDOWN, StepOutcome.NOT_RECOVERED),
+    ]
+    assert incident.steps[0].detail == "captured while the shutdown request waited"
+    assert incident.steps[1].detail.startswith("202 ")
+    assert endpoint.calls == 1
+    # The fake tree ignores the request: the ladder goes on exactly as before.
+    assert incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    assert fake_psutil.signals == [("killpg", 100, TERM)]
+
+
+def test_a_stopped_server_is_not_asked_and_the_signals_come_at_once(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    endpoint = AdminEndpoint()
+    endpoint.answer.set()
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    fake_psutil.table[100].state = "stopped"
+
+    async def scenario() -> Incident:
+        async with admin_endpoint(endpoint) as url, aiohttp.ClientSession() as session:
+            policy = rig.policy(session, admin_url=url)
+            task = policy.on_report(report(), rig.snapshot)
+            assert task is not None
+            return await task
+
+    incident = asyncio.run(scenario())
+    shutdown = next(s for s in incident.steps if s.step is StepName.SHUTDOWN)
+    assert shutdown.outcome is StepOutcome.SKIPPED
+    assert shutdown.detail == "the server process pid 100 is stopped: it cannot answer a request"
+    assert endpoint.calls == 0
+    assert fake_psutil.signals == [("killpg", 100, TERM)]
+    assert incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
+
+
+def test_a_running_server_is_asked_whatever_its_stages_do(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    endpoint = AdminEndpoint()
+    endpoint.answer.set()
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    fake_psutil.table[103].state = "stopped"  # a frozen engine: its API still answers
+
+    async def scenario() -> Incident:
+        async with admin_endpoint(endpoint) as url, aiohttp.ClientSession() as session:
+            policy = rig.policy(session, admin_url=url)
+            task = policy.on_report(report(), rig.snapshot)
+            assert task is not None
+            return await task
+
+    incident = asyncio.run(scenario())
+    assert endpoint.calls == 1
+    shutdown = next(s for s in incident.steps if s.step is StepName.SHUTDOWN)
+    assert shutdown.detail.startswith("202 ")
