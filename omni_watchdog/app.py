@@ -286,9 +286,16 @@ class Watchdog:
             report = self.detector.evaluate(self.clock.monotonic())
             self.stats.count_verdicts(report.verdicts)
             self.policy.on_report(report, lambda: self.target.snapshot(previous))
+        first = self._generation == 0
         self._generation = self.tracker.generation
         self.target.reattached()
-        self.detector.reset(self.topology, self.clock.monotonic())
+        if first:
+            # What was heard on the target before its processes were found came from this
+            # server: a first scan slower than the warm-up must not start the warm-up over
+            # (a server broken meanwhile would answer healthy never again).
+            self.detector.attached(self.clock.monotonic())
+        else:
+            self.detector.reset(self.topology, self.clock.monotonic())
         root = self.tracker.root
         self.policy.on_attach(root.identity if root else None)
         log_event(

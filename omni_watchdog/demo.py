@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,7 +50,27 @@ def example_config(generation: str) -> Path:
     return Path(str(resources.files("omni_watchdog") / "examples" / name))
 
 
+# Where the ports the kernel hands out by itself start, when /proc does not say.
+EPHEMERAL_LOW = 32768
+
+
 def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range: a server started with it binds
+    it minutes later, and an ephemeral port can be taken meanwhile by any outgoing
+    connection on the machine (CI once lost the watchdog's OTLP port that way)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = EPHEMERAL_LOW
+    chance = random.Random()
+    for _ in range(64):
+        port = chance.randrange(10000, max(10001, low))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

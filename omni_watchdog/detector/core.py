@@ -126,6 +126,11 @@ class Detector:
         self._unhealthy_signs: list[tuple[float, str]] = []
         self._last_progress: float | None = None
 
+    def attached(self, now: float) -> None:
+        """The first server was found on the target: `startup_timeout` counts from now, and
+        everything observed so far, which came from it, stays."""
+        self._attached = now
+
     def set_topology(self, topology: Topology, now: float) -> None:
         """Judge the stages of `topology` from now on, keeping what is known of every stage
         replica that stays. One it drops is kept while it shows a signal of its own (a

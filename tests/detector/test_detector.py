@@ -930,3 +930,18 @@ def test_the_next_judgement_is_due_when_a_timeout_runs_out() -> None:
     )
     # Run out already: nothing more is due from what is known.
     assert detector.next_due(stopped_at + 10.0) is None
+
+
+def test_the_first_attach_keeps_the_warm_up_a_new_server_starts_it_over() -> None:
+    clock = FakeClock()
+    detector, _ = warmed_with_an_engine(clock)
+    now = clock.monotonic()
+    assert detector.warmed_up(now)
+    # The first scan found the server that had been answering: what it said stands.
+    detector.attached(now)
+    assert detector.warmed_up(now)
+    detector.observe([Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.UNHEALTHY)])
+    assert detector.warmed_up(now + 1.0)
+    # A new server on the target (a later generation) is judged afresh.
+    detector.reset(ONE_STAGE, now)
+    assert not detector.warmed_up(now + 1.0)

@@ -54,7 +54,17 @@ ACCEPTED = {StepOutcome.RECOVERED, StepOutcome.NOT_RECOVERED}
 
 
 async def warmed_up(watchdog: Any) -> None:
-    await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 30)
+    """Warm, and the server's processes recorded where they can be (a fault may end one
+    at once)."""
+    scans = "processes" in watchdog.config.probes.enabled
+    await wait_for(
+        lambda: (
+            watchdog.state.report
+            and watchdog.state.report.warmed_up
+            and (watchdog.tracker.generation > 0 or not scans)
+        ),
+        30,
+    )
 
 
 def state(watchdog: Any, stage: StageRef) -> StageState | None:

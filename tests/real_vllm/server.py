@@ -270,7 +270,16 @@ async def watching(
     watchdog = await build_watchdog(config, clock=SystemClock())
     await watchdog.start()
     try:
-        await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 30)
+        # Warm, and its processes recorded: a test that kills one right after means the
+        # watchdog to have seen it alive.
+        await wait_for(
+            lambda: (
+                watchdog.state.report
+                and watchdog.state.report.warmed_up
+                and watchdog.tracker.generation > 0
+            ),
+            30,
+        )
         yield watchdog
     finally:
         await watchdog.stop()
