@@ -20,8 +20,14 @@ the same load alternate between them, the order flipping every round, and the fi
 the median of the per-round throughput ratios. The vLLM-Omni pair, then the plain vLLM
 pair: never all four at once (memory).
 
+Soak: one server under load for `--soak-seconds` with a watchdog in enforce mode at the
+real-server tests' settings: stage 1 a quarter of a second slower each forward, two
+clients back to back, a burst of six more every minute, and one client that abandons each
+request after 0.2 to 3 s. Every incident would be a false remediation.
+
     python benchmarks/bench_real_omni.py [--runs 3] [--fault block --fault raise --fault kill]
-        [--bf16-starts 3] [--rounds 8] [--only faults|overhead|bf16]
+        [--bf16-starts 3] [--rounds 8] [--soak-seconds 600]
+        [--only faults|overhead|bf16|soak]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -53,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_overhead import spans_received, wait_healthy
+from e2e.harness import worse_than_degraded
 from real_omni.server import (
     DEPLOY_FILE,
     MODEL_ARCHITECTURE,
@@ -62,12 +70,13 @@ from real_omni.server import (
     OTLP_TOKEN,
     READY_TIMEOUT,
     STAGE_NAMES,
+    STAGES,
     engine_of,
     omni_environment,
     start_omni_server,
     watched,
 )
-from real_vllm.client import chat, chat_body, health_status
+from real_vllm.client import answer, chat, chat_body, health_status
 from real_vllm.server import READY_TIMEOUT as VLLM_READY_TIMEOUT
 from real_vllm.server import VLLM_PYTHON, VLLM_STAMP, VllmServer, make_tiny_model
 from results import record
@@ -80,6 +89,9 @@ from omni_watchdog.types import StageRef, StageState, StepName
 FAULTS_SECTION = "Real vLLM-Omni: detection and release"
 STARTS_SECTION = "Real vLLM-Omni: first requests after start"
 OVERHEAD_SECTION = "Real servers: plugin overhead"
+SOAK_SECTION = "Real vLLM-Omni: never-wrong soak"
+SOAK_BURST = 6
+SOAK_BURST_EVERY = 60.0
 TREE_GONE_TARGET_S = 15.0
 OVERHEAD_TARGET = 0.99
 JUDGED = (StageState.STALLED, StageState.DEAD)
@@ -721,9 +733,101 @@ def overhead_note(args: argparse.Namespace) -> str:
     )
 
 
+@dataclass
+class SoakSeen:
+    answers: list[int] = field(default_factory=list)
+    abandoned: int = 0
+    bursts: int = 0
+    worse: list[str] = field(default_factory=list)
+    incidents: int = 0
+
+
+async def soak_scenario(server: VllmServer, faults: Any, seconds: float, workdir: Path) -> SoakSeen:
+    seen = SoakSeen()
+    chance = random.Random(0)
+    async with watched(server, workdir) as watchdog, aiohttp.ClientSession() as session:
+
+        async def impatient() -> None:
+            try:
+                await asyncio.wait_for(answer(session, server.url, 16), chance.uniform(0.2, 3.0))
+            except asyncio.TimeoutError:
+                seen.abandoned += 1
+            except aiohttp.ClientError as error:
+                print(f"  impatient request failed: {error}", file=sys.stderr)
+
+        async def statuses(*tokens: int) -> list[int]:
+            answers = await asyncio.gather(
+                *(answer(session, server.url, n) for n in tokens), return_exceptions=True
+            )
+            return [a[0] if isinstance(a, tuple) else 0 for a in answers]
+
+        faults.arm(1, "slow:0.25")
+        try:
+            begun = time.monotonic()
+            next_burst = begun + SOAK_BURST_EVERY
+            while time.monotonic() - begun < seconds:
+                tokens = [16, 4]
+                if time.monotonic() >= next_burst:
+                    tokens += [8] * SOAK_BURST
+                    seen.bursts += 1
+                    next_burst += SOAK_BURST_EVERY
+                answered, _ = await asyncio.gather(statuses(*tokens), impatient())
+                seen.answers += answered
+                seen.worse += worse_than_degraded(watchdog, STAGES)
+        finally:
+            faults.disarm(1)
+        seen.incidents = len(watchdog.policy.incidents())
+    return seen
+
+
+def run_soak(
+    seconds: float, model: Path, workdir: Path, tally: Tally
+) -> list[tuple[str, str, str, str]]:
+    with stopped_at_exit([]) as servers:
+        server, faults = start_omni_server(model, workdir)
+        servers.append(server)
+
+        async def scenario() -> SoakSeen | None:
+            await ready(server, READY_TIMEOUT)
+            check = await first_requests(server)
+            tally.starts.append(("float32", check.answered))
+            if not check.answered:
+                print(f"  first requests failed ({check.describe()})", file=sys.stderr)
+                return None
+            return await soak_scenario(server, faults, seconds, workdir)
+
+        seen = asyncio.run(scenario())
+    label = f"{seconds:g} s, stage 1 slower, bursts, abandoned requests"
+    if seen is None:
+        return [(f"{label}: incidents opened", "-", "0", "FAIL (not measured)")]
+    ok = sum(1 for status in seen.answers if status == 200)
+    print(f"soak: {seen.incidents} incidents; worse than degraded: {seen.worse[:5]}", flush=True)
+    return [
+        (
+            f"{label}: incidents opened (each a remediation)",
+            str(seen.incidents),
+            "0",
+            "pass" if seen.incidents == 0 else "FAIL",
+        ),
+        (
+            f"{label}: evaluations that judged a stage worse than degraded",
+            str(len(seen.worse)),
+            "0",
+            "pass" if not seen.worse else "FAIL",
+        ),
+        (
+            f"{label}: requests answered 200 / all / abandoned by their client / bursts",
+            f"{ok:,} / {len(seen.answers):,} / {seen.abandoned:,} / {seen.bursts}",
+            "information",
+            "-",
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["faults", "overhead", "bf16"])
+    parser.add_argument("--only", choices=["faults", "overhead", "bf16", "soak"])
+    parser.add_argument("--soak-seconds", type=float, default=600.0)
     parser.add_argument("--runs", type=int, default=3, help="fresh servers per fault")
     parser.add_argument(
         "--fault",
@@ -738,7 +842,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight", type=int, default=4)
     parser.add_argument("--heartbeat", type=float, default=1.0, help="plugin heartbeat, s")
     args = parser.parse_args(argv)
-    parts = {args.only} if args.only else {"faults", "bf16", "overhead"}
+    parts = {args.only} if args.only else {"faults", "bf16", "overhead", "soak"}
     if not OMNI_STAMP.exists() or ("overhead" in parts and not VLLM_STAMP.exists()):
         print("skipped: the real vLLM-Omni and vLLM environments are missing (make tools)")
         return 0
@@ -756,6 +860,19 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_faults(chosen, args.runs, omni_model, workdir / "faults", tally)
         failed = failed or any(row[3].startswith("FAIL") for row in rows)
         record(FAULTS_SECTION, rows, faults_note())
+        print("\n".join(" | ".join(row) for row in rows), flush=True)
+    if "soak" in parts:
+        rows = run_soak(args.soak_seconds, omni_model, workdir / "soak", tally)
+        failed = failed or any(row[3].startswith("FAIL") for row in rows)
+        record(
+            SOAK_SECTION,
+            rows,
+            "The real vLLM-Omni 0.30 (CPU harness) under load with a watchdog in enforce mode"
+            " at the real-server tests' settings; the talker a quarter of a second slower each"
+            " forward, a 16- and a 4-token request back to back, 6 more every minute, and one"
+            " request each round abandoned after 0.2 - 3 s; every stage's state read after"
+            " each round; `python benchmarks/bench_real_omni.py --only soak`.",
+        )
         print("\n".join(" | ".join(row) for row in rows), flush=True)
     if "bf16" in parts:
         run_bf16_starts(args.bf16_starts, omni_model, workdir / "bf16", tally)

@@ -1,21 +1,25 @@
-"""Slow-but-alive soak: a stage that is slow but still making progress is never remediated.
+"""Never wrong: a long soak in enforce mode opens no incident.
 
 For each vLLM-Omni generation the simulated server (its shipped 3-stage config) runs with
-a watchdog attached in enforce mode at default settings. Once warm-up is over, stage 1 (in
-0.30 its replica 0, while replica 1 keeps its pace) turns ten times slower
-(`slow-but-alive`: its heartbeats and tokens keep flowing) while clients keep
-`--in-flight` of the report's requests going for `--duration` seconds, enough that
-requests queue at the slow stage past their span deadline, and every stage's state is
+a watchdog attached in enforce mode at default settings. Once warm-up is over and 5 s of
+requests at full speed have shown the stages' pace, two faults that a healthy server
+shows under load are armed: stage 1 (in 0.30 its replica 0, while replica 1 keeps its
+pace) turns ten times slower (`slow-but-alive`: heartbeats and tokens keep flowing), and
+every fourth token of stage 2 takes one blocking 1.5 s step (`long-steps`, within the
+default timeouts). For `--duration` seconds clients keep `--in-flight` of the report's
+requests going; every `--burst-every` seconds `--burst` more clients join for 10 s; and
+one impatient client sends requests it abandons after 0.2 to 3 s. Every stage's state is
 sampled twice a second. In enforce mode every incident runs the ladder, so the figure is
 the number of incidents opened: each one is a false remediation.
 
-    python benchmarks/bench_soak.py [--duration 120] [--generation 0.11 --generation 0.30]
+    python benchmarks/bench_soak.py [--duration 1800] [--generation 0.11 --generation 0.30]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import sys
 import tempfile
@@ -34,34 +38,12 @@ from omni_watchdog.demo import REPORT_REQUEST, arm_faults, attached, wait_for
 from omni_watchdog.log import configure_logging
 from omni_watchdog.types import StageState
 
-SECTION = "Slow-but-alive soak"
-FAULT = "1:slow-but-alive"
+SECTION = "Never-wrong soak"
+FAULTS = ["1:slow-but-alive", "2:long-steps"]
 SAMPLE_INTERVAL = 0.5
+BURST_SECONDS = 10.0
 # `stalled` needs no progress, not slowness: nothing worse than degraded may be seen.
 ACCEPTABLE = {StageState.HEALTHY, StageState.DEGRADED}
-
-
-async def keep_loaded(
-    url: str, in_flight: int, until: float, latencies: list[float], failures: Counter[str]
-) -> None:
-    """`in_flight` clients sending the report's request back to back until `until`."""
-    timeout = aiohttp.ClientTimeout(total=60)
-
-    async def client(session: aiohttp.ClientSession) -> None:
-        while time.monotonic() < until:
-            begun = time.monotonic()
-            try:
-                async with session.post(url + "/v1/chat/completions", json=REPORT_REQUEST) as r:
-                    await r.read()
-                    if r.status == 200:
-                        latencies.append(time.monotonic() - begun)
-                    else:
-                        failures[f"HTTP {r.status}"] += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-                failures[type(error).__name__] += 1
-
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(*(client(session) for _ in range(in_flight)))
 
 
 @dataclass
@@ -74,19 +56,67 @@ class Soak:
     latencies_before: list[float] = field(default_factory=list)
     latencies_during: list[float] = field(default_factory=list)
     failures: Counter[str] = field(default_factory=Counter)
+    abandoned: int = 0
+    bursts: int = 0
 
 
-async def soak(workdir: Path, generation: str, duration: float, in_flight: int) -> Soak:
+async def one_request(session: aiohttp.ClientSession, url: str, seen: Soak, during: bool) -> None:
+    begun = time.monotonic()
+    try:
+        async with session.post(url + "/v1/chat/completions", json=REPORT_REQUEST) as response:
+            await response.read()
+            if response.status == 200:
+                (seen.latencies_during if during else seen.latencies_before).append(
+                    time.monotonic() - begun
+                )
+            else:
+                seen.failures[f"HTTP {response.status}"] += 1
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+        seen.failures[type(error).__name__] += 1
+
+
+async def clients(url: str, count: int, until: float, seen: Soak, during: bool) -> None:
+    """`count` clients sending the report's request back to back until `until`."""
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while time.monotonic() < until:
+            await one_request(session, url, seen, during)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await asyncio.gather(*(client(session) for _ in range(count)))
+
+
+async def impatient(url: str, until: float, seen: Soak, chance: random.Random) -> None:
+    """One client that gives up on each request after 0.2 to 3 s, mid-flight."""
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < until:
+            patience = chance.uniform(0.2, 3.0)
+            try:
+                await asyncio.wait_for(one_request(session, url, seen, True), patience)
+            except asyncio.TimeoutError:
+                seen.abandoned += 1
+            await asyncio.sleep(chance.uniform(0.0, 1.0))
+
+
+async def bursts(url: str, every: float, size: int, until: float, seen: Soak) -> None:
+    while time.monotonic() + every < until:
+        await asyncio.sleep(every)
+        seen.bursts += 1
+        await clients(url, size, time.monotonic() + BURST_SECONDS, seen, True)
+
+
+async def soak(workdir: Path, generation: str, args: argparse.Namespace) -> Soak:
     seen = Soak()
     async with attached(workdir, [], generation, "enforce") as (watchdog, server):
         await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 60)
-        # A few requests at full speed first, so the span deadlines know the stage's pace.
-        until = time.monotonic() + 5
-        await keep_loaded(server.url, in_flight, until, seen.latencies_before, seen.failures)
-        await arm_faults(server.url, [FAULT])
-        until = time.monotonic() + duration
-        load = asyncio.create_task(
-            keep_loaded(server.url, in_flight, until, seen.latencies_during, seen.failures)
+        # A few requests at full speed first, so the span deadlines know the stages' pace.
+        await clients(server.url, args.in_flight, time.monotonic() + 5, seen, False)
+        await arm_faults(server.url, FAULTS)
+        until = time.monotonic() + args.duration
+        load = asyncio.gather(
+            clients(server.url, args.in_flight, until, seen, True),
+            impatient(server.url, until, seen, random.Random(generation)),
+            bursts(server.url, args.burst_every, args.burst, until, seen),
         )
         while not load.done():
             report = watchdog.state.report
@@ -95,14 +125,16 @@ async def soak(workdir: Path, generation: str, duration: float, in_flight: int) 
             await asyncio.sleep(SAMPLE_INTERVAL)
         await load
         seen.incidents = len(watchdog.policy.incidents())
-        seen.fault_fired = server.fault_time() is not None
+        seen.fault_fired = len(server.events()) == len(FAULTS)
     return seen
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds of soak each")
-    parser.add_argument("--in-flight", type=int, default=8, help="concurrent requests")
+    parser.add_argument("--duration", type=float, default=1800.0, help="seconds of soak each")
+    parser.add_argument("--in-flight", type=int, default=8, help="steady concurrent requests")
+    parser.add_argument("--burst", type=int, default=16, help="clients that join in a burst")
+    parser.add_argument("--burst-every", type=float, default=60.0, help="seconds between bursts")
     parser.add_argument(
         "--generation", action="append", choices=["0.11", "0.30"], help="default: both"
     )
@@ -116,13 +148,13 @@ def main(argv: list[str] | None = None) -> int:
             (Path(workdir) / "watchdog.log").open("a", encoding="utf-8") as log,
         ):
             configure_logging("info", log)
-            seen = asyncio.run(soak(Path(workdir), generation, args.duration, args.in_flight))
-        label = f"{FAULT} ({generation}), {args.duration:g} s"
+            seen = asyncio.run(soak(Path(workdir), generation, args))
+        label = f"{', '.join(FAULTS)} ({generation}), {args.duration:g} s"
         before, during = seen.latencies_before, seen.latencies_during
         if not seen.fault_fired or not before or not during:
             # Nothing was slowed or nothing got through: the soak measured nothing.
             print(
-                f"{label}: fault fired {seen.fault_fired}, requests {len(before)} + {len(during)}"
+                f"{label}: faults fired {seen.fault_fired}, requests {len(before)} + {len(during)}"
             )
             failed = True
             continue
@@ -135,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{label}: {seen.incidents} incidents; states sampled: {shares}; "
             f"requests {len(during)} at {statistics.median(during):.2f} s median "
             f"({slowdown:.1f}x the {statistics.median(before):.2f} s before); "
+            f"{seen.abandoned} abandoned by their client; {seen.bursts} bursts; "
             f"failed requests: {dict(seen.failures) or 0}"
         )
         rows += [
@@ -156,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                 "information",
                 "-",
             ),
-            (f"{label}: requests completed during", f"{len(during):,}", "information", "-"),
+            (
+                f"{label}: requests completed / abandoned by their client / bursts",
+                f"{len(during):,} / {seen.abandoned:,} / {seen.bursts}",
+                "information",
+                "-",
+            ),
         ]
     if not args.no_write and rows:
         record(
@@ -165,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
             note=(
                 "The simulated server with a watchdog in enforce mode at default settings; "
                 "after warm-up and 5 s at full speed, stage 1 (in 0.30 one of its two "
-                "replicas) turns 10x slower with heartbeats and tokens flowing, under "
-                f"{args.in_flight} requests in flight; "
-                f"states sampled every {SAMPLE_INTERVAL:g} s; `python benchmarks/bench_soak.py`."
+                "replicas) turns 10x slower with heartbeats and tokens flowing and every "
+                "4th token of stage 2 takes one blocking 1.5 s step; "
+                f"{args.in_flight} requests in flight, {args.burst} more for 10 s every "
+                f"{args.burst_every:g} s, and one client abandoning each request after "
+                f"0.2 - 3 s; states sampled every {SAMPLE_INTERVAL:g} s; "
+                "`python benchmarks/bench_soak.py`."
             ),
         )
     return 1 if failed else 0

@@ -357,13 +357,17 @@ class Detector:
 
     def next_due(self, now: float) -> float | None:
         """The first moment after `now` at which a timeout runs out for what is known now:
-        a stage's heartbeat silence, a stopped or D-state process. Judging then, rather
-        than at the next tick, gives the verdict as soon as the rules allow."""
+        a stage's heartbeat silence, its counters flat under load, a stopped or D-state
+        process. Judging then, rather than at the next tick, gives the verdict as soon as
+        the rules allow."""
         config = self._config
         due: list[float] = []
         for memory in self._stages.values():
             if memory.last_heartbeat is not None:
                 due.append(memory.last_heartbeat + config.heartbeat_timeout)
+            if memory.load > 0 and memory.load_positive_since is not None:
+                flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
+                due.append(flat_from + config.progress_timeout)
             due.extend(
                 process.status_since + config.stuck_timeout
                 for process in memory.processes.values()

@@ -26,6 +26,10 @@ CONTEXT_BYTES = 512 * MIB
 ESCAPED_CHILD_BYTES = 512 * MIB
 ZOMBIE_CHILD_BYTES = 256 * MIB
 SLOW_FACTOR = 10.0
+# long-steps: every LONG_STEP_EVERY-th token takes one blocking step of LONG_STEP_S, which
+# stays within the default heartbeat and progress timeouts (3 s) with a beat period to spare.
+LONG_STEP_EVERY = 4
+LONG_STEP_S = 1.5
 BUSY_PERCENT = 90
 WORDS = ("vLLM", "is", "a", "fast", "and", "easy-to-use", "library", "for", "LLM", "inference")
 INDUCTOR_TRACEBACK = """\
@@ -80,11 +84,13 @@ def configure_child_process() -> None:
 
 @dataclass
 class ArmedFaults:
-    """Faults waiting for the next request in this process; slowness stays once fired."""
+    """Faults waiting for the next request in this process; slowness and long steps stay
+    once fired."""
 
     spec: StageSpec
     armed: set[FaultKind] = field(default_factory=set)
     slow: bool = False
+    long_steps: bool = False
 
     def __post_init__(self) -> None:
         self.armed.update(self.spec.faults)
@@ -129,6 +135,8 @@ class SimEngine:
             os.kill(os.getpid(), signal.SIGSTOP)
         if faults.take(FaultKind.SLOW_BUT_ALIVE):
             faults.slow = True
+        if faults.take(FaultKind.LONG_STEPS):
+            faults.long_steps = True
         for kind in (
             FaultKind.ENGINE_DEAD_HANG,
             FaultKind.ENGINE_DEAD_EXIT,
@@ -161,6 +169,10 @@ class SimEngine:
         started = time.monotonic()
         words: list[str] = []
         for index in range(count):
+            if self.faults.long_steps and index % LONG_STEP_EVERY == LONG_STEP_EVERY - 1:
+                # One engine step that holds its thread, as a long prefill or a big batch
+                # does: in 0.30 the replica's loop, heartbeats included, waits with it.
+                time.sleep(LONG_STEP_S)
             yield delay
             words.append(WORDS[index % len(WORDS)])
             self._emit({"type": "token", "request_id": request["request_id"]})

@@ -28,6 +28,7 @@ class FaultKind(str, enum.Enum):
     ZOMBIE = "zombie"
     ENGINE_DEAD_EXIT = "engine-dead-exit"
     FROZEN_ENGINE = "frozen-engine"
+    LONG_STEPS = "long-steps"
 
 
 GENERATIONS = ("0.11", "0.30")
@@ -41,6 +42,7 @@ REQUEST_TRIGGERED = frozenset(
         FaultKind.SLOW_BUT_ALIVE,
         FaultKind.ENGINE_DEAD_EXIT,
         FaultKind.FROZEN_ENGINE,
+        FaultKind.LONG_STEPS,
     }
 )
 # Faults of the whole server rather than of one stage.

@@ -928,6 +928,16 @@ def test_the_next_judgement_is_due_when_a_timeout_runs_out() -> None:
     assert detector.next_due(stopped_at) == min(
         last_beat + CONFIG.heartbeat_timeout, stopped_at + CONFIG.stuck_timeout
     )
+    loaded_at = clock.advance(0.5)
+    detector.observe(
+        [
+            Observation(ObservationKind.PROGRESS, loaded_at, S0, 7.0),
+            Observation(ObservationKind.LOAD, loaded_at, S0, 1.0),
+        ]
+    )
+    assert detector.next_due(stopped_at + CONFIG.stuck_timeout) == (
+        loaded_at + CONFIG.progress_timeout
+    )
     # Run out already: nothing more is due from what is known.
     assert detector.next_due(stopped_at + 10.0) is None
 

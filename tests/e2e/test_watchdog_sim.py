@@ -200,6 +200,34 @@ def test_slow_but_alive_is_never_remediated(tmp_path: Path, generation: str) -> 
 
 
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])
+def test_long_steps_within_the_default_timeouts_are_never_remediated(
+    tmp_path: Path, generation: str
+) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        seen: set[StageState | None] = set()
+        deadline = asyncio.get_running_loop().time() + 20
+        while asyncio.get_running_loop().time() < deadline:
+            if len(asyncio.all_tasks()) < 6:
+                in_background(server.url, 2)
+            seen.add(state(watchdog, StageRef(1)))
+            await asyncio.sleep(0.25)
+        assert server.fault_time() is not None
+        assert not watchdog.policy.incidents()
+        assert seen <= {StageState.HEALTHY, StageState.DEGRADED}
+
+    run(
+        tmp_path,
+        ["1:long-steps"],
+        generation,
+        body,
+        remediated=False,
+        # The timeouts the fault is within: the defaults, with a short warm-up.
+        config={"detection": {"startup_grace": "1s"}},
+    )
+
+
+@pytest.mark.parametrize("generation", ["0.11", "0.30"])
 def test_a_client_that_goes_away_is_not_waited_for(tmp_path: Path, generation: str) -> None:
     """vLLM drops a request whose client went away: the stages it had not reached never see
     it, and the watchdog must stop waiting for their spans rather than judge them stalled."""

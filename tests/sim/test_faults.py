@@ -12,6 +12,8 @@ import psutil
 import pytest
 from sim.sim_helpers import CONFIGS, Sim, wait_until
 
+from omni_watchdog.sim.engine import LONG_STEP_EVERY, LONG_STEP_S
+
 pytestmark = pytest.mark.e2e
 
 BOTH = pytest.mark.parametrize("generation", ["0.11", "0.30"])
@@ -172,6 +174,32 @@ def test_slow_but_alive_is_ten_times_slower_with_tokens_flowing(sim: Sim, genera
     assert time.monotonic() - began >= 8 * 0.02 * 10  # stage 1's 8 tokens at 10 x the delay
     assert tokens() == 8
     assert [e["kind"] for e in sim.events()] == ["slow-but-alive"]
+
+
+@BOTH
+def test_long_steps_hold_the_stage_for_one_step_at_a_time(sim: Sim, generation: str) -> None:
+    start(sim, generation, "--fault", "1:long-steps", "--token-delay", "0.02")
+
+    def tokens() -> float:
+        return sim.metric("vllm:generation_tokens_total", stage="1", replica="0")
+
+    answers: list[int] = []
+    began = time.monotonic()
+    request = threading.Thread(target=lambda: answers.append(sim.chat(timeout=15).status))
+    request.start()
+    try:
+        wait_until(lambda: tokens() >= 1, 5)
+        # Three quick tokens, then one step that holds the stage: the counter waits with it.
+        wait_until(lambda: tokens() >= LONG_STEP_EVERY - 1, 5)
+        unchanged_for(LONG_STEP_S * 0.6, tokens)
+        assert sim.get("/health").status == 200
+    finally:
+        request.join(20)
+    assert answers == [200]
+    # Stage 1's 8 tokens hold two long steps.
+    assert time.monotonic() - began >= 2 * LONG_STEP_S
+    assert tokens() == 8
+    assert [e["kind"] for e in sim.events()] == ["long-steps"]
 
 
 @BOTH
