@@ -146,7 +146,10 @@ def main() -> int:
         if verdicts and floors:
             floor = statistics.median(floors)
             ratio = statistics.median(verdicts) / floor if floor > 0 else float("inf")
-            shown += f"; floor {floor:.2f} s, median / floor {ratio:.1f}"
+            shown += (
+                f"; floor {floor:.2f} s: median - floor"
+                f" {statistics.median(verdicts) - floor:.2f} s, median / floor {ratio:.1f}"
+            )
         wanted = "-"
         if fault.verdict_target is not None:
             at = "p95" if fault.verdict_at_p95 else "median"
@@ -167,7 +170,7 @@ def main() -> int:
             )
         )
     note = (
-        "Default settings (heartbeat every 1 s, heartbeat_timeout 3 s, progress_timeout 3 s,"
+        "Default settings (heartbeat every 1 s, heartbeat_timeout 3 s, progress_timeout 4 s,"
         " health every 1 s, 0.25 s after a stage exit; term_grace 3 s); the fault time is"
         " when the simulator's fault fired. The floor of a death is the exit notice, of a"
         " stall the heartbeat timeout."
