@@ -318,10 +318,17 @@ class Watchdog:
             except Exception as error:
                 self._errors.record("evaluate", error)
                 self._publish_self_health()
-            now = self.clock.monotonic()
+            await _rest_unless(self._judge_now, self._until_due())
+
+    def _until_due(self) -> float:
+        """Seconds until the next evaluation: the tick, or sooner when a timeout runs out."""
+        now = self.clock.monotonic()
+        try:
             due = self.detector.next_due(now)
-            rest = EVALUATE_EVERY if due is None else min(EVALUATE_EVERY, due - now + DUE_SLACK)
-            await _rest_unless(self._judge_now, rest)
+        except Exception as error:  # the loop goes on at its tick
+            self._errors.record("evaluate", error)
+            return EVALUATE_EVERY
+        return EVALUATE_EVERY if due is None else min(EVALUATE_EVERY, due - now + DUE_SLACK)
 
     def _evaluate(self) -> None:
         """Judge the stages once, hand the report to the policy, and publish the state."""

@@ -8,6 +8,7 @@ the watchdog itself, its own process group, or pid 1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Callable
@@ -175,6 +176,13 @@ class Actuators:
             output, _ = await process.communicate()
             text = output.decode(errors="replace")
             return None, f"{text}\n[stopped after {timeout:g}s]"
+        except asyncio.CancelledError:
+            # The step's bound or the watchdog's stop: the tool must not outlive it.
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            # Reaped here: an unreaped child's transport would outlive the event loop.
+            await process.wait()
+            raise
         return process.returncode, output.decode(errors="replace")
 
 

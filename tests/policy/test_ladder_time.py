@@ -4,15 +4,21 @@ cannot answer is not asked. Its order and its guards stay those of test_policy."
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import psutil
 from aiohttp import web
 from fakes import FakePsutil
 from policy.test_policy import TERM, Rig, report, the_0_11_tree
 
+from omni_watchdog.demo import wait_for
 from omni_watchdog.policy.ladder import TargetSnapshot
 from omni_watchdog.types import (
     Incident,
@@ -149,3 +155,33 @@ def test_a_running_server_is_asked_whatever_its_stages_do(
     assert endpoint.calls == 1
     shutdown = next(s for s in incident.steps if s.step is StepName.SHUTDOWN)
     assert shutdown.detail.startswith("202 ")
+
+
+def test_a_capture_tool_whose_step_is_cancelled_does_not_outlive_it(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    marker = f"omni-watchdog-test-{os.getpid()}-{time.monotonic_ns()}"
+
+    def tools() -> list[psutil.Process]:
+        return [
+            child for child in psutil.Process().children() if marker in " ".join(child.cmdline())
+        ]
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            actuators = rig.actuators(session)
+            running = asyncio.create_task(
+                actuators.run_bounded(
+                    [sys.executable, "-c", f"import time; time.sleep(30)  # {marker}"], 60.0
+                )
+            )
+            await wait_for(tools, 5)
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+            await wait_for(
+                lambda: not any(t.is_running() and t.status() != "zombie" for t in tools()), 5
+            )
+
+    asyncio.run(scenario())

@@ -135,6 +135,12 @@ class Rig:
             gpu_baseline(reading, tuple(self.processes)),
         )
 
+    def actuators(self, session: aiohttp.ClientSession) -> Actuators:
+        guard = SignalGuard(
+            self.fake, self.recorded, OWN_PID, OWN_PGID, self.fake.getpgid, self.fake.start_time
+        )
+        return Actuators(guard, session, kill=self.fake.kill, killpg=self.fake.killpg)
+
     def policy(
         self,
         session: aiohttp.ClientSession,
@@ -143,10 +149,7 @@ class Rig:
         server_gone: bool = False,
     ) -> Policy:
         config = LadderConfig(term_grace=3.0, kill_grace=1.0, release_timeout=2.0)
-        guard = SignalGuard(
-            self.fake, self.recorded, OWN_PID, OWN_PGID, self.fake.getpgid, self.fake.start_time
-        )
-        actuators = Actuators(guard, session, kill=self.fake.kill, killpg=self.fake.killpg)
+        actuators = self.actuators(session)
         runner = LadderRunner(
             ladder_from_config(config),
             config,
