@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from omni_watchdog.config import WatchdogConfig, load_config, merge_layers
 from omni_watchdog.types import ProcessInfo, ProcessRole, ProcessStatus, StageRef
 
 # --- the process table ------------------------------------------------------------------
@@ -295,3 +299,18 @@ class FakeSenders:
 
     def maps(self, stage: StageRef) -> bool:
         return self.mapped is None or stage in self.mapped
+
+
+# --- a watchdog in the test's own process ---------------------------------------------------
+
+
+def local_config(state: Path, overrides: Mapping[str, Any] | None = None) -> WatchdogConfig:
+    """A watchdog's config with both listeners on free local ports and a target nothing
+    answers on (port 9, discard), for tests that stand in for its probes."""
+    base = {
+        "target": "http://127.0.0.1:9",
+        "listen": "127.0.0.1:0",
+        "state_dir": str(state),
+        "spans": {"otlp_listen": "127.0.0.1:0"},
+    }
+    return load_config(None, overrides=merge_layers(base, overrides or {}), environ={})

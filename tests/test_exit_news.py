@@ -15,11 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from fakes import FakeDevice, FakeNvml, FakePsutil, info
+from fakes import FakeDevice, FakeNvml, FakePsutil, info, local_config
 
 from omni_watchdog.app import ASKING_EVERY
 from omni_watchdog.clock import SystemClock
-from omni_watchdog.config import load_config
 from omni_watchdog.demo import wait_for
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.probes.health import HealthProbe
@@ -39,18 +38,13 @@ CONFIRM = 3.0
 def test_an_exit_asks_health_at_once_and_often_until_it_would_confirm_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = load_config(
-        None,
-        overrides={
-            "target": "http://127.0.0.1:9",
-            "listen": "127.0.0.1:0",
-            "state_dir": str(tmp_path / "state"),
-            "spans": {"otlp_listen": "127.0.0.1:0"},
+    config = local_config(
+        tmp_path / "state",
+        {
             # Left to its period, /health would not be asked again during this test.
             "probes": {"health_interval": "60s"},
             "detection": {"confirm_timeout": f"{CONFIRM}s", "heartbeat_timeout": "1s"},
         },
-        environ={},
     )
     asked: list[float] = []
 

@@ -12,10 +12,9 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from fakes import FakeDevice, FakeNvml, FakePsutil
+from fakes import FakeDevice, FakeNvml, FakePsutil, local_config
 
 from omni_watchdog.clock import FakeClock
-from omni_watchdog.config import load_config
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.tasks import end_tasks
 from omni_watchdog.types import Observation
@@ -87,16 +86,7 @@ def test_a_loop_that_failed_is_not_reported_as_never_retrieved() -> None:
 
 
 def test_a_watchdog_whose_probe_loop_lost_its_cancellation_still_stops(tmp_path: Path) -> None:
-    config = load_config(
-        None,
-        overrides={
-            "target": "http://127.0.0.1:9",
-            "listen": "127.0.0.1:0",
-            "state_dir": str(tmp_path / "state"),
-            "spans": {"otlp_listen": "127.0.0.1:0"},
-        },
-        environ={},
-    )
+    config = local_config(tmp_path / "state")
 
     async def scenario() -> tuple[bool, int]:
         watchdog = await build_watchdog(

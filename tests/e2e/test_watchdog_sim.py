@@ -175,25 +175,29 @@ def test_orphaned_stages_are_cleaned_up(tmp_path: Path, generation: str) -> None
     run(tmp_path, [], generation, body)
 
 
+async def loaded_and_never_remediated(watchdog: Any, server: Any) -> None:
+    """20 s of requests two at a time: stage 1 is never worse than degraded, and nothing
+    is done to the server."""
+    await warmed_up(watchdog)
+    seen: set[StageState | None] = set()
+    deadline = asyncio.get_running_loop().time() + 20
+    while asyncio.get_running_loop().time() < deadline:
+        if len(asyncio.all_tasks()) < 6:
+            in_background(server.url, 2)
+        seen.add(state(watchdog, StageRef(1)))
+        await asyncio.sleep(0.25)
+    assert server.fault_time() is not None
+    assert not watchdog.policy.incidents()
+    assert seen <= {StageState.HEALTHY, StageState.DEGRADED}
+
+
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])
 def test_slow_but_alive_is_never_remediated(tmp_path: Path, generation: str) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
-        await warmed_up(watchdog)
-        seen: set[StageState | None] = set()
-        deadline = asyncio.get_running_loop().time() + 20
-        while asyncio.get_running_loop().time() < deadline:
-            if len(asyncio.all_tasks()) < 6:
-                in_background(server.url, 2)
-            seen.add(state(watchdog, StageRef(1)))
-            await asyncio.sleep(0.25)
-        assert not watchdog.policy.incidents()
-        assert seen <= {StageState.HEALTHY, StageState.DEGRADED}
-
     run(
         tmp_path,
         ["1:slow-but-alive"],
         generation,
-        body,
+        loaded_and_never_remediated,
         sim_args=["--max-tokens-cap", "16"],
         remediated=False,
     )
@@ -203,24 +207,11 @@ def test_slow_but_alive_is_never_remediated(tmp_path: Path, generation: str) -> 
 def test_long_steps_within_the_default_timeouts_are_never_remediated(
     tmp_path: Path, generation: str
 ) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
-        await warmed_up(watchdog)
-        seen: set[StageState | None] = set()
-        deadline = asyncio.get_running_loop().time() + 20
-        while asyncio.get_running_loop().time() < deadline:
-            if len(asyncio.all_tasks()) < 6:
-                in_background(server.url, 2)
-            seen.add(state(watchdog, StageRef(1)))
-            await asyncio.sleep(0.25)
-        assert server.fault_time() is not None
-        assert not watchdog.policy.incidents()
-        assert seen <= {StageState.HEALTHY, StageState.DEGRADED}
-
     run(
         tmp_path,
         ["1:long-steps"],
         generation,
-        body,
+        loaded_and_never_remediated,
         remediated=False,
         # The timeouts the fault is within: the defaults, with a short warm-up.
         config={"detection": {"startup_grace": "1s"}},

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+import pytest
 from aiohttp import web
 from fakes import FakePsutil
 from policy.test_policy import TERM, Rig, report, the_0_11_tree
@@ -63,6 +64,15 @@ async def admin_endpoint(endpoint: AdminEndpoint) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+async def climbed(rig: Rig, endpoint: AdminEndpoint) -> Incident:
+    """The incident of one verdict, its ladder run to the end against `endpoint`."""
+    async with admin_endpoint(endpoint) as url, aiohttp.ClientSession() as session:
+        policy = rig.policy(session, admin_url=url)
+        task = policy.on_report(report(), rig.snapshot)
+        assert task is not None
+        return await task
+
+
 class CaptureRig(Rig):
     """A rig whose capture waits for the shutdown request to arrive, then lets it answer."""
 
@@ -89,14 +99,7 @@ def test_the_capture_runs_while_the_shutdown_request_waits(
     rig = CaptureRig(tmp_path, fake_psutil, endpoint)
     the_0_11_tree(rig)
 
-    async def scenario() -> Incident:
-        async with admin_endpoint(endpoint) as url, aiohttp.ClientSession() as session:
-            policy = rig.policy(session, admin_url=url)
-            task = policy.on_report(report(), rig.snapshot)
-            assert task is not None
-            return await task
-
-    incident = asyncio.run(scenario())
+    incident = asyncio.run(climbed(rig, endpoint))
     steps = [(s.step, s.outcome) for s in incident.steps]
     assert steps[:2] == [
         (StepName.CAPTURE, StepOutcome.OK),
@@ -110,51 +113,32 @@ def test_the_capture_runs_while_the_shutdown_request_waits(
     assert fake_psutil.signals == [("killpg", 100, TERM)]
 
 
-def test_a_stopped_server_is_not_asked_and_the_signals_come_at_once(
-    tmp_path: Path, fake_psutil: FakePsutil
+@pytest.mark.parametrize(
+    ("stopped", "calls", "detail"),
+    [
+        # The server process itself: it cannot answer, so the signals come at once.
+        (100, 0, "the server process pid 100 is stopped: it cannot answer a request"),
+        # A frozen engine: its API still answers, and is asked.
+        (103, 1, "202 "),
+    ],
+)
+def test_only_a_server_that_can_answer_is_asked(
+    tmp_path: Path, fake_psutil: FakePsutil, stopped: int, calls: int, detail: str
 ) -> None:
     endpoint = AdminEndpoint()
     endpoint.answer.set()
     rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
     the_0_11_tree(rig)
-    fake_psutil.table[100].state = "stopped"
+    fake_psutil.table[stopped].state = "stopped"
 
-    async def scenario() -> Incident:
-        async with admin_endpoint(endpoint) as url, aiohttp.ClientSession() as session:
-            policy = rig.policy(session, admin_url=url)
-            task = policy.on_report(report(), rig.snapshot)
-            assert task is not None
-            return await task
-
-    incident = asyncio.run(scenario())
+    incident = asyncio.run(climbed(rig, endpoint))
     shutdown = next(s for s in incident.steps if s.step is StepName.SHUTDOWN)
-    assert shutdown.outcome is StepOutcome.SKIPPED
-    assert shutdown.detail == "the server process pid 100 is stopped: it cannot answer a request"
-    assert endpoint.calls == 0
-    assert fake_psutil.signals == [("killpg", 100, TERM)]
-    assert incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
-
-
-def test_a_running_server_is_asked_whatever_its_stages_do(
-    tmp_path: Path, fake_psutil: FakePsutil
-) -> None:
-    endpoint = AdminEndpoint()
-    endpoint.answer.set()
-    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
-    the_0_11_tree(rig)
-    fake_psutil.table[103].state = "stopped"  # a frozen engine: its API still answers
-
-    async def scenario() -> Incident:
-        async with admin_endpoint(endpoint) as url, aiohttp.ClientSession() as session:
-            policy = rig.policy(session, admin_url=url)
-            task = policy.on_report(report(), rig.snapshot)
-            assert task is not None
-            return await task
-
-    incident = asyncio.run(scenario())
-    assert endpoint.calls == 1
-    shutdown = next(s for s in incident.steps if s.step is StepName.SHUTDOWN)
-    assert shutdown.detail.startswith("202 ")
+    assert shutdown.detail.startswith(detail)
+    assert endpoint.calls == calls
+    if not calls:
+        assert shutdown.outcome is StepOutcome.SKIPPED
+        assert fake_psutil.signals == [("killpg", 100, TERM)]
+        assert incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
 
 
 def test_a_capture_tool_whose_step_is_cancelled_does_not_outlive_it(

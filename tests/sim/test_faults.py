@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -152,24 +155,32 @@ def test_orphaned_stages(sim: Sim, generation: str) -> None:
         wait_until(lambda: sim.used_bytes() == 0, 3)
 
 
+def stage_1_tokens(sim: Sim) -> float:
+    return sim.metric("vllm:generation_tokens_total", stage="1", replica="0")
+
+
+@contextlib.contextmanager
+def chat_in_background(sim: Sim, timeout: float) -> Iterator[list[int]]:
+    """One chat on its own thread; its status is in the list once the block ends."""
+    answers: list[int] = []
+    request = threading.Thread(target=lambda: answers.append(sim.chat(timeout=timeout).status))
+    request.start()
+    try:
+        yield answers
+    finally:
+        request.join(timeout + 5)
+
+
 @BOTH
 def test_slow_but_alive_is_ten_times_slower_with_tokens_flowing(sim: Sim, generation: str) -> None:
     start(sim, generation, "--fault", "1:slow-but-alive", "--token-delay", "0.02")
-
-    def tokens() -> float:
-        return sim.metric("vllm:generation_tokens_total", stage="1", replica="0")
-
-    answers: list[int] = []
+    tokens = functools.partial(stage_1_tokens, sim)
     began = time.monotonic()
-    request = threading.Thread(target=lambda: answers.append(sim.chat(timeout=10).status))
-    request.start()
-    try:
+    with chat_in_background(sim, 10) as answers:
         wait_until(lambda: tokens() >= 1, 5)
         first = tokens()
         wait_until(lambda: tokens() > first, 3)  # still flowing, just slowly
         assert sim.get("/health").status == 200
-    finally:
-        request.join(15)
     assert answers == [200]
     assert time.monotonic() - began >= 8 * 0.02 * 10  # stage 1's 8 tokens at 10 x the delay
     assert tokens() == 8
@@ -179,22 +190,14 @@ def test_slow_but_alive_is_ten_times_slower_with_tokens_flowing(sim: Sim, genera
 @BOTH
 def test_long_steps_hold_the_stage_for_one_step_at_a_time(sim: Sim, generation: str) -> None:
     start(sim, generation, "--fault", "1:long-steps", "--token-delay", "0.02")
-
-    def tokens() -> float:
-        return sim.metric("vllm:generation_tokens_total", stage="1", replica="0")
-
-    answers: list[int] = []
+    tokens = functools.partial(stage_1_tokens, sim)
     began = time.monotonic()
-    request = threading.Thread(target=lambda: answers.append(sim.chat(timeout=15).status))
-    request.start()
-    try:
+    with chat_in_background(sim, 15) as answers:
         wait_until(lambda: tokens() >= 1, 5)
         # Three quick tokens, then one step that holds the stage: the counter waits with it.
         wait_until(lambda: tokens() >= LONG_STEP_EVERY - 1, 5)
         unchanged_for(LONG_STEP_S * 0.6, tokens)
         assert sim.get("/health").status == 200
-    finally:
-        request.join(20)
     assert answers == [200]
     # Stage 1's 8 tokens hold two long steps.
     assert time.monotonic() - began >= 2 * LONG_STEP_S
