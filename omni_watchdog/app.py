@@ -7,9 +7,9 @@ fails only delays itself; the evaluation task judges every `EVALUATE_EVERY`, and
 on news that may settle a verdict (an exit, a failed /health or canary) or when a timeout
 runs out, and pushes a new `WatchdogState` to every exporter. A stage process's exit also
 sends the /health probe at once, and every `ASKING_EVERY` for `confirm_timeout`, so that
-the server's own word follows the exit. Every
-loop survives its own errors: each is logged once with its traceback, counted by loop, and
-the loop goes on; /healthz fails once evaluations stop.
+the server's own word follows the exit. Every loop survives its own errors: each is logged
+once with its traceback, counted by loop, and the loop goes on; /healthz fails once
+evaluations stop.
 """
 
 from __future__ import annotations
