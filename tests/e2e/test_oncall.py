@@ -35,6 +35,11 @@ from omni_watchdog.types import IncidentOutcome, OperatorAction, StepName
 pytestmark = pytest.mark.e2e
 
 WITH_TOKEN = merge_layers(FAST, {"operator_token": OPERATOR_TOKEN})
+# No canary: its request would trip the fault before an on-call command run at the
+# same moment lands (a Python start-up takes seconds on two busy cores).
+WITH_TOKEN_NO_CANARY = merge_layers(
+    WITH_TOKEN, {"probes": {"enabled": ["spans", "metrics", "health", "processes", "gpu"]}}
+)
 # An engine that dies while its stage process lives on, holding its GPU memory: the
 # report's hang.
 HANG = ["1:engine-dead-hang"]
@@ -168,10 +173,9 @@ def test_a_pause_holds_an_enforced_action_during_a_real_hang_and_resume_lets_it_
     tmp_path: Path,
 ) -> None:
     async def scenario() -> None:
-        async with attached(tmp_path, HANG, "0.11", "enforce", WITH_TOKEN, None, SIM_ENV) as (
-            watchdog,
-            server,
-        ):
+        async with attached(
+            tmp_path, HANG, "0.11", "enforce", WITH_TOKEN_NO_CANARY, None, SIM_ENV
+        ) as (watchdog, server):
             await warmed_up(watchdog)
             pids = server_pids(watchdog)
             code, out, err = await oncall(
