@@ -169,8 +169,10 @@ def main() -> int:
                 verdict,
             )
         )
+    defaults = DetectionConfig()
     note = (
-        "Default settings (heartbeat every 1 s, heartbeat_timeout 3 s, progress_timeout 4 s,"
+        f"Default settings (heartbeat every 1 s, heartbeat_timeout {defaults.heartbeat_timeout:g}"
+        f" s, progress_timeout {defaults.progress_timeout:g} s, /metrics every 1 s,"
         " health every 1 s, 0.25 s after a stage exit; term_grace 3 s); the fault time is"
         " when the simulator's fault fired. The floor of a death is the exit notice, of a"
         " stall the heartbeat timeout."

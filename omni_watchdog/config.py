@@ -213,7 +213,7 @@ class DetectionConfig:
         minimum=0.1,
     )
     progress_timeout: float = _duration(
-        4.0,
+        3.0,
         "Requests running on a stage and its progress counters flat for this long.",
         minimum=0.1,
     )

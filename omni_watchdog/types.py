@@ -208,6 +208,10 @@ class ObservationKind(str, enum.Enum):
     TOPOLOGY = "topology"
 
 
+# PROGRESS `detail` of a stage whose counters move at every engine step (tokens, iterations).
+STEP_COUNTERS = "steps"
+
+
 @dataclass(frozen=True)
 class Observation:
     """One fact a probe saw at `time` (monotonic seconds of the injected clock).
@@ -218,7 +222,9 @@ class Observation:
     - REQUEST_ABANDONED: `request_id` (no stage will send a span for it any more).
     - STAGE_SPAN: `stage`, `request_id`, `value` = duration in seconds,
       `outcome` = a `SpanOutcome`, `detail` = the error text.
-    - PROGRESS: `stage`, `value` = a cumulative progress counter (tokens, iterations).
+    - PROGRESS: `stage`, `value` = a cumulative progress counter (tokens, iterations);
+      `detail` = `STEP_COUNTERS` when it counts every engine step, so that it moves
+      within one step of work, not only when a request completes.
     - LOAD: `stage`, `value` = requests running plus waiting on the stage.
     - HEALTH, CANARY: `outcome` = a `HealthOutcome`, `value` = latency in seconds,
       `detail` = status code or error text.

@@ -25,8 +25,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from omni_watchdog.config import DetectionConfig
-from omni_watchdog.detector.expectations import BlindSpells, PendingRequests, RollingQuantile
+from omni_watchdog.detector.expectations import (
+    BlindSpells,
+    PendingRequest,
+    PendingRequests,
+    RollingQuantile,
+)
 from omni_watchdog.types import (
+    STEP_COUNTERS,
     DetectorReport,
     Evidence,
     EvidenceKind,
@@ -73,6 +79,8 @@ class _StageMemory:
     progress_value: float | None = None
     progress_changed_at: float | None = None
     progress_moved_at: float | None = None
+    progress_seen_at: float | None = None
+    counts_steps: bool = False
     load: float = 0.0
     load_at: float | None = None
     load_positive_since: float | None = None
@@ -203,6 +211,8 @@ class Detector:
         memory = self._memory(obs.stage)
         if memory is None:
             return
+        memory.progress_seen_at = obs.time
+        memory.counts_steps = obs.detail == STEP_COUNTERS
         if memory.progress_value is None or obs.value != memory.progress_value:
             # The first sample is only a baseline; movement is a change after it.
             if memory.progress_value is not None:
@@ -362,12 +372,14 @@ class Detector:
         the rules allow."""
         config = self._config
         due: list[float] = []
-        for memory in self._stages.values():
+        for ref, memory in self._stages.items():
             if memory.last_heartbeat is not None:
                 due.append(memory.last_heartbeat + config.heartbeat_timeout)
             if memory.load > 0 and memory.load_positive_since is not None:
                 flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
                 due.append(flat_from + config.progress_timeout)
+            if (waiting := self._waiting_unworked(ref, memory, now)) is not None:
+                due.append(waiting[1] + config.progress_timeout)
             due.extend(
                 process.status_since + config.stuck_timeout
                 for process in memory.processes.values()
@@ -458,6 +470,30 @@ class Detector:
             for p in memory.processes.values()
         )
 
+    def _waiting_unworked(
+        self, ref: StageRef, memory: _StageMemory, now: float
+    ) -> tuple[PendingRequest, float] | None:
+        """The oldest request waiting at a stage whose step counters have not moved since
+        it got there, and the moment they were last seen to move (or it got there).
+
+        A stage that is working on a request moves its token or iteration counters at
+        every engine step, whatever its load gauges say; vLLM-Omni 0.30 leaves those at
+        the counts of the last batch, so they cannot tell a stalled stage from an idle one,
+        but a request still owed the stage's span can. Only a stage of one replica: the
+        span does not say which replica a waiting request is on. Only counters that move
+        per step, and only fresh ones: a counter that moves when a request completes
+        stays flat through a long one, and an old scrape says nothing."""
+        if not memory.counts_steps or memory.progress_seen_at is None:
+            return None
+        if now - memory.progress_seen_at > self._config.stale_after:
+            return None
+        if sum(1 for other in self._stages if other.stage_id == ref.stage_id) != 1:
+            return None
+        oldest = self._pending.oldest(ref.stage_id)
+        if oldest is None:
+            return None
+        return oldest, max(oldest.due_since, memory.progress_changed_at or 0.0)
+
     def _load(self, memory: _StageMemory, now: float) -> float:
         """Requests on the stage, or 0 when the last scrape is too old to say."""
         if memory.load_at is None or now - memory.load_at > self._config.stale_after:
@@ -495,6 +531,7 @@ class Detector:
                 )
         deadline = self.deadline(ref.stage_id)
         late = self._pending.overdue(ref.stage_id, deadline, now, self._blind)
+        unworked = self._waiting_unworked(ref, memory, now)
         if late:
             waited = self._blind.seen(late[0].due_since, now)
             found.append(
@@ -506,6 +543,20 @@ class Detector:
                     f" oldest {late[0].request_id}" + _unseen(now - late[0].due_since - waited),
                 )
             )
+        elif unworked is not None:
+            oldest, flat_from = unworked
+            flat = self._blind.seen(flat_from, now)
+            if flat > config.progress_timeout:
+                found.append(
+                    Evidence(
+                        EvidenceKind.SPAN_OVERDUE,
+                        ref,
+                        now - (flat - config.progress_timeout),
+                        f"{self.in_flight(ref.stage_id)} request(s) waiting at the stage,"
+                        f" oldest {oldest.request_id}, and its step counters flat for"
+                        f" {flat:.1f}s" + _unseen(now - flat_from - flat),
+                    )
+                )
         load = self._load(memory, now)
         if load > 0 and memory.load_positive_since is not None:
             flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)

@@ -160,6 +160,10 @@ class PendingRequests:
     def in_flight(self, stage_id: int) -> int:
         return len(self._by_stage.get(stage_id, {}))
 
+    def oldest(self, stage_id: int) -> PendingRequest | None:
+        """The request that has waited longest at the stage."""
+        return next(iter(self._by_stage.get(stage_id, {}).values()), None)
+
     def __len__(self) -> int:
         return len(self._where)
 

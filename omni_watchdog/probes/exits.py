@@ -104,6 +104,11 @@ class ExitNotices:
                 self._waiter = None
         self._news = False
 
+    def scanning(self) -> None:
+        """A scan of the process table starts now: it sees every exit noticed so far, so
+        the next rest waits for a newer one."""
+        self._news = False
+
     def close(self) -> None:
         for identity in list(self._fds):
             self._drop(identity)

@@ -14,6 +14,7 @@ import aiohttp
 from omni_watchdog.config import ProbesConfig
 from omni_watchdog.topology import MAX_STAGE_REPLICAS, observed_topology
 from omni_watchdog.types import (
+    STEP_COUNTERS,
     Clock,
     Observation,
     ObservationKind,
@@ -22,15 +23,16 @@ from omni_watchdog.types import (
     TopologyOrigin,
 )
 
-PROGRESS_SERIES = frozenset(
+# Counted at every engine step: they move while a request is being worked on.
+STEP_SERIES = frozenset(
     {
         "vllm:generation_tokens_total",
         "vllm:prompt_tokens_total",
         "vllm:iteration_tokens_total_count",
-        "vllm_omni:stage_gen_time_s_count",
-        "vllm:request_success_total",
     }
 )
+# Counted when a request completes: they say nothing while a long one is worked on.
+PROGRESS_SERIES = STEP_SERIES | {"vllm_omni:stage_gen_time_s_count", "vllm:request_success_total"}
 ENGINE_LOAD_SERIES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
 STAGE_WAITING_SERIES = "vllm_omni:stage_waiting_requests"
 WANTED_SERIES = PROGRESS_SERIES | ENGINE_LOAD_SERIES | {STAGE_WAITING_SERIES}
@@ -154,12 +156,24 @@ class MetricsProbe:
         try:
             samples = list(parse_samples(page, WANTED_SERIES))
             progress, load = self._digest(samples)
+            stepping = {
+                stage
+                for sample in samples
+                if sample.name in STEP_SERIES
+                and (stage := stage_of_labels(sample.name, sample.labels)) is not None
+            }
         except ValueError as error:
             raise ProbeError(f"{self._url}: unreadable metrics page: {error}") from None
         self.last_page = page
         now = self._clock.monotonic()
         observations = [
-            Observation(ObservationKind.PROGRESS, now, stage=stage, value=value)
+            Observation(
+                ObservationKind.PROGRESS,
+                now,
+                stage=stage,
+                value=value,
+                detail=STEP_COUNTERS if stage in stepping else "",
+            )
             for stage, value in sorted(progress.items())
         ]
         observations.extend(

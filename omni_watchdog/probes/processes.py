@@ -270,6 +270,8 @@ class ProcessTracker:
             if generation is not None
             for info in generation.live()
         ]
+        if self._exits is not None:
+            self._exits.scanning()
         try:
             scan = await asyncio.to_thread(self._scan, root, recorded)
         except self._psutil.Error as error:

@@ -82,7 +82,10 @@ def test_an_exit_ends_the_rest_at_once_and_is_not_watched_again() -> None:
     assert left == {identity(10)}
 
 
-def test_an_exit_between_rests_ends_the_next_rest_at_once() -> None:
+@pytest.mark.parametrize("scanned_since", [False, True], ids=["no scan since", "a scan since"])
+def test_an_exit_between_rests_ends_the_next_rest_at_once_unless_a_scan_saw_it(
+    scanned_since: bool,
+) -> None:
     async def scenario() -> bool:
         pipes = Pipes()
         watch = notices(pipes)
@@ -92,11 +95,16 @@ def test_an_exit_between_rests_ends_the_next_rest_at_once() -> None:
         deadline = asyncio.get_running_loop().time() + 10
         while not watch.noticed and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
-        done, _ = await asyncio.wait({asyncio.create_task(watch.rest(60))}, timeout=10)
+        if scanned_since:
+            watch.scanning()
+        done, _ = await asyncio.wait({asyncio.create_task(watch.rest(60))}, timeout=0.5)
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            task.cancel()
         pipes.close_all()
         return bool(done)
 
-    assert asyncio.run(scenario())
+    # A scan that began after the notice recorded the exit: the next rest is a whole one.
+    assert asyncio.run(scenario()) is not scanned_since
 
 
 def test_without_an_exit_the_rest_lasts_its_seconds() -> None:

@@ -18,7 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import ProbesConfig
 from omni_watchdog.probes.metrics import MetricsProbe, parse_samples
-from omni_watchdog.types import ObservationKind, ProbeError, StageRef, Topology, TopologyOrigin
+from omni_watchdog.types import (
+    STEP_COUNTERS,
+    ObservationKind,
+    ProbeError,
+    StageRef,
+    Topology,
+    TopologyOrigin,
+)
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "real-vllm"
 REAL_PAGES = {
@@ -352,3 +359,27 @@ def test_real_omni_page_of_an_idle_server_shows_no_queued_work() -> None:
     first, second = serve(page_handler([page]), check)
     assert set(first) == {StageRef(0), StageRef(1), StageRef(2)}
     assert second == {}
+
+
+def test_progress_says_which_stages_count_every_engine_step() -> None:
+    """Token and iteration counters move within a step of work; a stage that has only
+    `stage_gen_time_s_count` moves when a request completes. The real 0.30 server's
+    three stages all count steps."""
+    real = (
+        FIXTURES.parent / "real-omni" / "vllm-omni-0.30.0-three-stages-idle.metrics.txt"
+    ).read_text()
+
+    async def check(url: str) -> dict[StageRef | None, str]:
+        async with aiohttp.ClientSession() as session:
+            observations = await MetricsProbe(session, url, ProbesConfig(), FakeClock()).collect()
+        return {o.stage: o.detail for o in observations if o.kind is ObservationKind.PROGRESS}
+
+    assert serve(page_handler([SIM_PAGE]), check) == {
+        StageRef(0, 0): STEP_COUNTERS,
+        StageRef(0, 1): STEP_COUNTERS,
+        StageRef(1, 0): STEP_COUNTERS,
+        StageRef(2, 0): "",
+    }
+    assert serve(page_handler([real]), check) == dict.fromkeys(
+        (StageRef(0), StageRef(1), StageRef(2)), STEP_COUNTERS
+    )
