@@ -21,7 +21,7 @@ The rules (docs/design.md, Detection):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from omni_watchdog.config import DetectionConfig
@@ -518,45 +518,42 @@ class Detector:
         config = self._config
         found: list[Evidence] = []
         if memory.last_heartbeat is not None:
-            silent = self._blind.seen(memory.last_heartbeat, now)
-            if silent > config.heartbeat_timeout:
-                found.append(
-                    Evidence(
-                        EvidenceKind.HEARTBEAT_LOST,
-                        ref,
-                        now - (silent - config.heartbeat_timeout),
-                        f"no loop heartbeat for {silent:.1f}s"
-                        + _unseen(now - memory.last_heartbeat - silent),
-                    )
-                )
+            found += self._silence(
+                EvidenceKind.HEARTBEAT_LOST,
+                ref,
+                memory.last_heartbeat,
+                config.heartbeat_timeout,
+                now,
+                lambda silent: f"no loop heartbeat for {silent:.1f}s",
+            )
         deadline = self.deadline(ref.stage_id)
         late = self._pending.overdue(ref.stage_id, deadline, now, self._blind)
         unworked = self._waiting_unworked(ref, memory, now)
         if late:
-            waited = self._blind.seen(late[0].due_since, now)
-            found.append(
-                Evidence(
-                    EvidenceKind.SPAN_OVERDUE,
-                    ref,
-                    now - (waited - deadline),
+            found += self._silence(
+                EvidenceKind.SPAN_OVERDUE,
+                ref,
+                late[0].due_since,
+                deadline,
+                now,
+                lambda _: (
                     f"{len(late)} request(s) past the {deadline:.1f}s deadline,"
-                    f" oldest {late[0].request_id}" + _unseen(now - late[0].due_since - waited),
-                )
+                    f" oldest {late[0].request_id}"
+                ),
             )
         elif unworked is not None:
             oldest, flat_from = unworked
-            flat = self._blind.seen(flat_from, now)
-            if flat > config.progress_timeout:
-                found.append(
-                    Evidence(
-                        EvidenceKind.SPAN_OVERDUE,
-                        ref,
-                        now - (flat - config.progress_timeout),
-                        f"{self.in_flight(ref.stage_id)} request(s) waiting at the stage,"
-                        f" oldest {oldest.request_id}, and its step counters flat for"
-                        f" {flat:.1f}s" + _unseen(now - flat_from - flat),
-                    )
-                )
+            found += self._silence(
+                EvidenceKind.SPAN_OVERDUE,
+                ref,
+                flat_from,
+                config.progress_timeout,
+                now,
+                lambda flat: (
+                    f"{self.in_flight(ref.stage_id)} request(s) waiting at the stage,"
+                    f" oldest {oldest.request_id}, and its step counters flat for {flat:.1f}s"
+                ),
+            )
         load = self._load(memory, now)
         if load > 0 and memory.load_positive_since is not None:
             flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
@@ -572,6 +569,26 @@ class Detector:
                 )
         found.extend(self._process_evidence(ref, memory, now))
         return found
+
+    def _silence(
+        self,
+        kind: EvidenceKind,
+        ref: StageRef,
+        since: float,
+        timeout: float,
+        now: float,
+        describe: Callable[[float], str],
+    ) -> list[Evidence]:
+        """Evidence of `kind` once more than `timeout` of seen time has passed since
+        `since`, held from the moment it ran out; `describe` words the seen seconds."""
+        seen = self._blind.seen(since, now)
+        if seen <= timeout:
+            return []
+        return [
+            Evidence(
+                kind, ref, now - (seen - timeout), describe(seen) + _unseen(now - since - seen)
+            )
+        ]
 
     def _process_evidence(self, ref: StageRef, memory: _StageMemory, now: float) -> list[Evidence]:
         config = self._config
