@@ -3,8 +3,8 @@
 The overhead is measured on the real vLLM-Omni and on the real plain vLLM.
 
 Faults: each run starts a fresh three-stage server (thinker -> talker -> code2wav), sends
-its first requests, attaches a watchdog in enforce mode with the real-server tests'
-settings, makes one fault and measures from the fault to the stage's verdict (the
+its first requests, attaches a watchdog in enforce mode at the default settings (the
+plugin's heartbeat too), makes one fault and measures from the fault to the stage's verdict (the
 detector's STALLED or DEAD, at the time the detector set it) and to the moment no process
 of the server's tree is left.
 
@@ -60,11 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_overhead import spans_received, wait_healthy
-from e2e.harness import worse_than_degraded
+from e2e.harness import FAST, worse_than_degraded
 from real_omni.server import (
     DEPLOY_FILE,
     MODEL_ARCHITECTURE,
-    OMNI_FAST,
     OMNI_PYTHON,
     OMNI_STAMP,
     OTLP_TOKEN,
@@ -82,8 +81,9 @@ from real_vllm.server import VLLM_PYTHON, VLLM_STAMP, VllmServer, make_tiny_mode
 from results import record
 from watchdog_process import start_watchdog
 
+from omni_watchdog.config import DetectionConfig, LadderConfig, ProbesConfig
 from omni_watchdog.demo import closed_incident, free_port, wait_for
-from omni_watchdog.instrument.telemetry import HEARTBEAT_INTERVAL_ENV
+from omni_watchdog.instrument.telemetry import DEFAULT_HEARTBEAT_INTERVAL_S, HEARTBEAT_INTERVAL_ENV
 from omni_watchdog.types import StageRef, StageState, StepName
 
 FAULTS_SECTION = "Real vLLM-Omni: detection and release"
@@ -106,6 +106,19 @@ OMNI_PLUGINS_BUT_OURS = (
 # The plain vLLM environment has no other plugin worth loading: an empty list loads none.
 VLLM_PLUGINS_BUT_OURS = ""
 WORKER_DIED = "died unexpectedly"
+# The faults are measured at what a user gets: every threshold, interval and grace the
+# tests shorten is put back to its default, and the plugin beats at its default rate. Only
+# what this machine needs stays: no GPU probe, and the receiver's token.
+DEFAULT_SECTIONS = {
+    "detection": DetectionConfig(),
+    "probes": ProbesConfig(),
+    "ladder": LadderConfig(),
+}
+AT_DEFAULTS = {
+    section: {key: getattr(DEFAULT_SECTIONS[section], key) for key in settings}
+    for section, settings in FAST.items()
+}
+DEFAULT_HEARTBEAT = {HEARTBEAT_INTERVAL_ENV: str(DEFAULT_HEARTBEAT_INTERVAL_S)}
 DTYPE_LINE = "dtype: float32"
 ARCHITECTURE_ARGS = ("--architecture", MODEL_ARCHITECTURE)
 
@@ -287,7 +300,10 @@ async def verdict_and_gone(
 
 async def fault_scenario(server: VllmServer, faults: Any, fault: Fault, workdir: Path) -> FaultRun:
     stage = StageRef(fault.stage_id)
-    async with watched(server, workdir) as watchdog, aiohttp.ClientSession() as session:
+    async with (
+        watched(server, workdir, overrides=AT_DEFAULTS) as watchdog,
+        aiohttp.ClientSession() as session,
+    ):
         server.tree()  # every process of the tree, remembered for the tree-gone check
         background: list[asyncio.Task[int | None]] = []
         engine = engine_of(server, fault.stage_id) if fault.word == "kill" else None
@@ -320,7 +336,7 @@ async def fault_scenario(server: VllmServer, faults: Any, fault: Fault, workdir:
 
 def measure_fault(fault: Fault, model: Path, workdir: Path, tally: Tally) -> FaultRun:
     with stopped_at_exit([]) as servers:
-        server, faults = start_omni_server(model, workdir)
+        server, faults = start_omni_server(model, workdir, DEFAULT_HEARTBEAT)
         servers.append(server)
 
         async def scenario() -> FaultRun:
@@ -422,21 +438,23 @@ def run_faults(
 
 
 def faults_note() -> str:
-    detection, probes, ladder = (OMNI_FAST[name] for name in ("detection", "probes", "ladder"))
+    detection, probes, ladder = (AT_DEFAULTS[name] for name in ("detection", "probes", "ladder"))
     return (
         f"The real vLLM-Omni 0.30 on CPU (the tests' harness: {' -> '.join(STAGE_NAMES)}, a "
         "tiny random Llama, float32), a fresh server per run; after its first requests a "
-        "watchdog attaches in enforce mode with the real-server tests' settings "
-        f"(heartbeat_timeout {detection['heartbeat_timeout']}, progress_timeout "
-        f"{detection['progress_timeout']}, stuck_timeout {detection['stuck_timeout']}, "
-        f"confirm_timeout {detection['confirm_timeout']}, probes every {probes['interval']}, "
-        f"canary every {probes['canary_interval']}, shutdown_grace "
-        f"{ladder['shutdown_grace']}, term_grace {ladder['term_grace']}). The fault time is "
-        "when the fault was armed and the one request that meets it sent, or the SIGKILL "
-        "sent; the first verdict is the detector's first STALLED or DEAD for the stage (the "
-        "ladder starts there), dead its first DEAD if that came before the ladder's first "
-        "shutdown or signal; tree gone: no process of the server's tree left. Medians with "
-        "min - max; `python benchmarks/bench_real_omni.py --only faults`."
+        "watchdog attaches in enforce mode at the default settings (plugin heartbeat every "
+        f"{DEFAULT_HEARTBEAT_INTERVAL_S:g} s, heartbeat_timeout "
+        f"{detection['heartbeat_timeout']:g} s, progress_timeout "
+        f"{detection['progress_timeout']:g} s, stuck_timeout {detection['stuck_timeout']:g} s, "
+        f"confirm_timeout {detection['confirm_timeout']:g} s, probes every "
+        f"{probes['interval']:g} s, /health every {probes['health_interval']:g} s, canary "
+        f"every {probes['canary_interval']:g} s, shutdown_grace {ladder['shutdown_grace']:g} "
+        f"s, term_grace {ladder['term_grace']:g} s; no GPU probe on this machine). The fault "
+        "time is when the fault was armed and the one request that meets it sent, or the "
+        "SIGKILL sent; the first verdict is the detector's first STALLED or DEAD for the "
+        "stage (the ladder starts there), dead its first DEAD if that came before the "
+        "ladder's first shutdown or signal; tree gone: no process of the server's tree left. "
+        "Medians with min - max; `python benchmarks/bench_real_omni.py --only faults`."
     )
 
 
