@@ -4,9 +4,9 @@ The overhead is measured on the real vLLM-Omni and on the real plain vLLM.
 
 Faults: each run starts a fresh three-stage server (thinker -> talker -> code2wav), sends
 its first requests, attaches a watchdog in enforce mode at the default settings (the
-plugin's heartbeat too), makes one fault and measures from the fault to the stage's verdict (the
-detector's STALLED or DEAD, at the time the detector set it) and to the moment no process
-of the server's tree is left.
+plugin's heartbeat too), makes one fault and measures from the fault to the stage's
+verdict (the detector's STALLED or DEAD, at the time the detector set it) and to the
+moment no process of the server's tree is left.
 
 First requests: every vLLM-Omni start is asked "ping" (one token), then a normal chat; a
 start counts as answered when both are 200, /health stays 200 and no stage worker died.
