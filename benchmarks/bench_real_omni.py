@@ -81,7 +81,7 @@ from real_vllm.server import VLLM_PYTHON, VLLM_STAMP, VllmServer, make_tiny_mode
 from results import record
 from watchdog_process import start_watchdog
 
-from omni_watchdog.config import DetectionConfig, LadderConfig, ProbesConfig
+from omni_watchdog.config import WatchdogConfig
 from omni_watchdog.demo import closed_incident, free_port, wait_for
 from omni_watchdog.instrument.telemetry import DEFAULT_HEARTBEAT_INTERVAL_S, HEARTBEAT_INTERVAL_ENV
 from omni_watchdog.types import StageRef, StageState, StepName
@@ -109,13 +109,9 @@ WORKER_DIED = "died unexpectedly"
 # The faults are measured at what a user gets: every threshold, interval and grace the
 # tests shorten is put back to its default, and the plugin beats at its default rate. Only
 # what this machine needs stays: no GPU probe, and the receiver's token.
-DEFAULT_SECTIONS = {
-    "detection": DetectionConfig(),
-    "probes": ProbesConfig(),
-    "ladder": LadderConfig(),
-}
+DEFAULTS = WatchdogConfig()
 AT_DEFAULTS = {
-    section: {key: getattr(DEFAULT_SECTIONS[section], key) for key in settings}
+    section: {key: getattr(getattr(DEFAULTS, section), key) for key in settings}
     for section, settings in FAST.items()
 }
 DEFAULT_HEARTBEAT = {HEARTBEAT_INTERVAL_ENV: str(DEFAULT_HEARTBEAT_INTERVAL_S)}
