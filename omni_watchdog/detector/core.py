@@ -71,6 +71,7 @@ class _ProcessMemory:
     status_since: float
     cpu_changed_at: float
     exited_at: float | None = None
+    runnable_seen_at: float | None = None
 
 
 @dataclass
@@ -306,6 +307,8 @@ class Detector:
             known.status_since = obs.time
         if info.cpu_seconds != known.info.cpu_seconds:
             known.cpu_changed_at = obs.time
+        if info.status is ProcessStatus.RUNNING:
+            known.runnable_seen_at = obs.time
         known.info = info
 
     def _on_gpu_process(self, obs: Observation) -> None:
@@ -482,7 +485,9 @@ class Detector:
         but a request still owed the stage's span can. Only a stage of one replica: the
         span does not say which replica a waiting request is on. Only counters that move
         per step, and only fresh ones: a counter that moves when a request completes
-        stays flat through a long one, and an old scrape says nothing."""
+        stays flat through a long one, and an old scrape says nothing. A stage process
+        seen runnable is working or waiting for a CPU: a stage starved by its neighbours
+        is not a stuck one (its heartbeats stop too), so the flat time counts from then."""
         if not memory.counts_steps or memory.progress_seen_at is None:
             return None
         if now - memory.progress_seen_at > self._config.stale_after:
@@ -492,7 +497,15 @@ class Detector:
         oldest = self._pending.oldest(ref.stage_id)
         if oldest is None:
             return None
-        return oldest, max(oldest.due_since, memory.progress_changed_at or 0.0)
+        runnable = max(
+            (
+                p.runnable_seen_at
+                for p in memory.processes.values()
+                if p.exited_at is None and p.runnable_seen_at is not None
+            ),
+            default=0.0,
+        )
+        return oldest, max(oldest.due_since, memory.progress_changed_at or 0.0, runnable)
 
     def _load(self, memory: _StageMemory, now: float) -> float:
         """Requests on the stage, or 0 when the last scrape is too old to say."""

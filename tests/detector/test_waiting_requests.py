@@ -66,6 +66,8 @@ class Talker:
 
     beats: bool = True
     frozen: bool = False
+    # Runnable but given no CPU from this moment (since arrival): neighbours' load.
+    starved_from: float | None = None
     # Its step counters move at these moments (seconds since the request reached it).
     steps_at: tuple[float, ...] = ()
     steps_every: float | None = None
@@ -105,7 +107,11 @@ def drive(talker: Talker, seconds: float, topology: Topology = PIPELINE) -> list
                     out.append(
                         Observation(ObservationKind.PROGRESS, now, ref, value, detail=detail)
                     )
-        status = ProcessStatus.STOPPED if talker.frozen and since >= 0 else ProcessStatus.SLEEPING
+        status = ProcessStatus.SLEEPING
+        if talker.frozen and since >= 0:
+            status = ProcessStatus.STOPPED
+        elif talker.starved_from is not None and since >= talker.starved_from:
+            status = ProcessStatus.RUNNING
         engine = dataclasses.replace(ENGINE, status=status)
         out.append(Observation(ObservationKind.PROCESS, now, process=engine, outcome=status))
         if elapsed == ADMITTED_AT:
@@ -195,6 +201,11 @@ NOT_EARLY = [
         "a stage of two replicas: the span does not say which one has the request",
         Talker(replicas=(S1, StageRef(1, 1))),
         TWO_TALKERS,
+    ),
+    (
+        "a stage starved of CPU by its neighbours: runnable, silent, its counters flat",
+        Talker(beats=False, steps_at=(0.5,), starved_from=0.75),
+        PIPELINE,
     ),
 ]
 
