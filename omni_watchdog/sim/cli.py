@@ -6,18 +6,42 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 import tempfile
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from omni_watchdog.sim.faults import GENERATIONS, FaultError, FaultKind, check_fault, parse_fault
+from omni_watchdog.sim.faults import (
+    FAULTS_FILE,
+    GENERATIONS,
+    Fault,
+    FaultError,
+    FaultKind,
+    check_fault,
+    check_headless_fault,
+    parse_fault,
+)
 from omni_watchdog.sim.nvml import STATE_ENV, write_devices
+from omni_watchdog.sim.wire import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    HEADLESS_FILE,
+    MASTER_FILE,
+    MASTER_HEARTBEAT_S,
+)
 from omni_watchdog.topology import TopologyError, load_topology
+from omni_watchdog.types import Topology
+
+if TYPE_CHECKING:
+    from omni_watchdog.sim.server import SimSettings
 
 DEFAULT_MODEL = "yujiepan/qwen2.5-omni-tiny-random"
 DEFAULT_STAGE_CONFIG = "qwen2_5_omni_0.11.yaml"
 SLOW_STARTUP_DEFAULT_S = 120.0
+MAX_PORT = 65535
+LISTEN_BACKLOG = 128
 
 
 def default_stage_config() -> Path:
@@ -58,38 +82,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens-cap", type=int, default=8, help="most tokens per request per stage"
     )
     parser.add_argument("--gpus", type=int, default=1, help="simulated devices (24 GiB each)")
+    hosts = parser.add_argument_group(
+        "stages on other hosts (0.30)",
+        "A head serves the API and lists the stages that run elsewhere (--remote-stage); a "
+        "headless stage (--headless --stage-id N) runs that stage's replicas, registers them "
+        "with the head's coordinator and heartbeats to it. A headless stage has no HTTP API: "
+        "inject its faults at run time by appending lines like "
+        f'{{"kind": "silent-stall", "replica": 0}} to {FAULTS_FILE} in its --state-dir; its '
+        f"state is in {HEADLESS_FILE} there.",
+    )
+    hosts.add_argument(
+        "--omni-master-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help=f"head: the coordinator's port (0 picks one; {MASTER_FILE} in --state-dir says "
+        "which); headless: the head's",
+    )
+    hosts.add_argument(
+        "--omni-master-address",
+        default=None,
+        metavar="ADDRESS",
+        help="head: the coordinator's address (default --host); headless: the head's",
+    )
+    hosts.add_argument(
+        "--remote-stage",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="head: stage N runs headless on another host (repeatable)",
+    )
+    hosts.add_argument(
+        "--omni-heartbeat-timeout",
+        type=float,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="head: a remote replica silent this long is evicted (default %(default)g)",
+    )
+    hosts.add_argument(
+        "--headless", action="store_true", help="run one stage for a head elsewhere, no API"
+    )
+    hosts.add_argument("--stage-id", type=int, default=None, help="headless: the stage to run")
+
+
+class _Invalid(ValueError):
+    """Flags the simulator cannot start with."""
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the server and serve until it is shut down; the process's exit code."""
-    # Imported here so that `--help` and the stage processes stay light.
-    from omni_watchdog.sim.server import (
-        SimError,
-        SimServer,
-        SimSettings,
-        bind_listener,
-        write_api_file,
-    )
-
-    logging.basicConfig(
-        level=logging.INFO, format="(APIServer pid=%(process)d) %(levelname)s %(message)s"
-    )
-    stage_config = args.stage_config or default_stage_config()
+    """Start the server, or a headless stage, and serve until shut down; the exit code."""
     try:
-        topology = load_topology(stage_config)
+        topology = load_topology(args.stage_config or default_stage_config())
         faults = tuple(parse_fault(text) for text in args.fault)
-        replicas = {stage.stage_id: stage.replicas for stage in topology.stages}
-        for fault in faults:
-            check_fault(fault, args.model_generation, replicas)
         if args.gpus < 1 or args.max_tokens_cap < 1 or args.token_delay < 0:
-            raise SimError("--gpus and --max-tokens-cap must be at least 1, --token-delay >= 0")
-    except (TopologyError, FaultError, SimError) as error:
+            raise _Invalid("--gpus and --max-tokens-cap must be at least 1, --token-delay >= 0")
+        if args.headless:
+            _check_headless(args, topology, faults)
+        else:
+            _check_head(args, topology, faults)
+    except (TopologyError, FaultError, _Invalid) as error:
         print(f"omni-watchdog sim: {error}", file=sys.stderr)
         return 2
-    startup = args.startup_seconds
-    if startup is None:
-        slow = any(f.kind is FaultKind.SLOW_STARTUP for f in faults)
-        startup = SLOW_STARTUP_DEFAULT_S if slow else 0.0
     state_dir = Path(
         args.state_dir or os.environ.get(STATE_ENV) or tempfile.mkdtemp(prefix="omni-sim-")
     )
@@ -97,18 +151,66 @@ def run(args: argparse.Namespace) -> int:
     # Every child inherits it, and so does the NVML stand-in of anyone started from here.
     os.environ[STATE_ENV] = str(state_dir)
     write_devices(state_dir, args.gpus)
-    try:
-        listener = bind_listener(args.host, args.port)
-    except OSError as error:
-        print(
-            f"omni-watchdog sim: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr
-        )
-        return 2
-    settings = SimSettings(
+    if args.headless:
+        return _run_headless(args, topology, faults, state_dir)
+    return _run_head(args, topology, faults, state_dir)
+
+
+def _check_head(args: argparse.Namespace, topology: Topology, faults: tuple[Fault, ...]) -> None:
+    replicas = {stage.stage_id: stage.replicas for stage in topology.stages}
+    remote = set(args.remote_stage)
+    if remote or args.omni_master_port is not None:
+        if args.model_generation != "0.30":
+            raise _Invalid("stages on other hosts need --model-generation 0.30")
+        if args.omni_master_port is None:
+            raise _Invalid("--remote-stage needs --omni-master-port")
+        if not 0 <= args.omni_master_port <= MAX_PORT:
+            raise _Invalid(f"--omni-master-port must be 0..{MAX_PORT}")
+    if args.omni_heartbeat_timeout <= 0:
+        raise _Invalid("--omni-heartbeat-timeout must be positive")
+    unknown = sorted(remote - set(replicas))
+    if unknown:
+        raise _Invalid(f"--remote-stage {unknown[0]}: no stage {unknown[0]}")
+    for fault in faults:
+        check_fault(fault, args.model_generation, replicas, remote)
+
+
+def _check_headless(
+    args: argparse.Namespace, topology: Topology, faults: tuple[Fault, ...]
+) -> None:
+    if args.model_generation != "0.30":
+        raise _Invalid("--headless needs --model-generation 0.30")
+    if args.remote_stage:
+        raise _Invalid("--remote-stage is for the head, not a headless stage")
+    if args.omni_master_address is None or args.omni_master_port is None:
+        raise _Invalid("--headless needs --omni-master-address and --omni-master-port")
+    if not 0 < args.omni_master_port <= MAX_PORT:
+        raise _Invalid(f"--omni-master-port must be 1..{MAX_PORT}")
+    stage = next((s for s in topology.stages if s.stage_id == args.stage_id), None)
+    if stage is None:
+        raise _Invalid("--headless needs --stage-id, one of the config's stages")
+    for fault in faults:
+        check_headless_fault(fault, stage.stage_id, stage.replicas)
+
+
+def _settings(
+    args: argparse.Namespace,
+    topology: Topology,
+    faults: tuple[Fault, ...],
+    state_dir: Path,
+    port: int,
+) -> SimSettings:
+    from omni_watchdog.sim.server import SimSettings
+
+    startup = args.startup_seconds
+    if startup is None:
+        slow = any(f.kind is FaultKind.SLOW_STARTUP for f in faults)
+        startup = SLOW_STARTUP_DEFAULT_S if slow else 0.0
+    return SimSettings(
         topology=topology,
         generation=args.model_generation,
         host=args.host,
-        port=listener.getsockname()[1],
+        port=port,
         model=args.model,
         faults=faults,
         state_dir=state_dir,
@@ -116,11 +218,82 @@ def run(args: argparse.Namespace) -> int:
         startup_seconds=startup,
         max_tokens_cap=args.max_tokens_cap,
         gpus=args.gpus,
+        remote_stages=frozenset(args.remote_stage),
+        heartbeat_timeout=args.omni_heartbeat_timeout,
     )
+
+
+def _run_head(
+    args: argparse.Namespace, topology: Topology, faults: tuple[Fault, ...], state_dir: Path
+) -> int:
+    # Imported here so that `--help` and the stage processes stay light.
+    from omni_watchdog.sim.server import (
+        API_FILE,
+        SimError,
+        SimServer,
+        write_listen_file,
+    )
+
+    logging.basicConfig(
+        level=logging.INFO, format="(APIServer pid=%(process)d) %(levelname)s %(message)s"
+    )
+    master_host = args.omni_master_address or args.host
     try:
-        server = SimServer(settings, listener)
+        listener = _listen(args.host, args.port)
+        master = None
+        if args.omni_master_port is not None:
+            master = _listen(master_host, args.omni_master_port)
+    except _Invalid as error:
+        print(f"omni-watchdog sim: {error}", file=sys.stderr)
+        return 2
+    settings = _settings(args, topology, faults, state_dir, listener.getsockname()[1])
+    try:
+        server = SimServer(settings, listener, master)
     except SimError as error:
         print(f"omni-watchdog sim: {error}", file=sys.stderr)
         return 2
-    write_api_file(state_dir, args.host, settings.port)
+    write_listen_file(state_dir, API_FILE, args.host, settings.port)
+    if master is not None:
+        master_port = master.getsockname()[1]
+        write_listen_file(state_dir, MASTER_FILE, master_host, master_port)
+        logging.getLogger("omni_watchdog.sim").info(
+            "omni master listening on %s:%d", master_host, master_port
+        )
     return asyncio.run(server.serve())
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Listen at once; nothing accepts until start-up is done, so clients wait, not fail."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as error:
+        listener.close()
+        raise _Invalid(f"cannot listen on {host}:{port}: {error}") from None
+    listener.listen(LISTEN_BACKLOG)
+    return listener
+
+
+def _run_headless(
+    args: argparse.Namespace, topology: Topology, faults: tuple[Fault, ...], state_dir: Path
+) -> int:
+    from omni_watchdog.sim.headless import HeadlessStage
+    from omni_watchdog.sim.server import SimError, stage_specs
+
+    logging.basicConfig(
+        level=logging.INFO, format="(HeadlessStage pid=%(process)d) %(levelname)s %(message)s"
+    )
+    # The stage has no API of its own: no port.
+    settings = _settings(args, topology, faults, state_dir, port=0)
+    try:
+        specs = [
+            replace(spec, master_heartbeat_s=MASTER_HEARTBEAT_S)
+            for spec in stage_specs(settings)
+            if spec.stage_id == args.stage_id
+        ]
+    except SimError as error:
+        print(f"omni-watchdog sim: {error}", file=sys.stderr)
+        return 2
+    stage = HeadlessStage(specs, args.omni_master_address, args.omni_master_port, state_dir)
+    return asyncio.run(stage.serve())

@@ -69,6 +69,8 @@ class StageSpec:
     state_dir: str
     token_delay: float
     faults: tuple[FaultKind, ...] = ()
+    # A headless replica's heartbeat period to its master's coordinator; 0: a local one.
+    master_heartbeat_s: float = 0.0
 
     def fault(self, kind: FaultKind) -> Fault:
         return Fault(kind, self.stage_id, self.replica)

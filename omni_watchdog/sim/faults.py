@@ -6,12 +6,14 @@ import enum
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 EVENTS_FILE = "events.jsonl"
+# A headless stage has no API: its faults at run time are lines appended here.
+FAULTS_FILE = "faults.jsonl"
 
 
 class FaultKind(str, enum.Enum):
@@ -101,17 +103,35 @@ def _kind(text: Any) -> FaultKind:
         raise FaultError(f"unknown fault {text!r}; known: {known}") from None
 
 
-def check_fault(fault: Fault, generation: str, replicas: Mapping[int, int]) -> None:
-    """Raise `FaultError` unless `fault` applies to this generation and topology."""
+def check_fault(
+    fault: Fault,
+    generation: str,
+    replicas: Mapping[int, int],
+    remote: Collection[int] = (),
+) -> None:
+    """Raise `FaultError` unless `fault` applies to this generation and topology; a stage in
+    `remote` runs headless elsewhere, out of this server's reach."""
     only = ONLY_IN.get(fault.kind)
     if only is not None and only != generation:
         raise FaultError(f"{fault.kind.value} exists only in generation {only}")
     if fault.kind in TARGET_WIDE:
         return
+    if fault.stage in remote:
+        raise FaultError(
+            f"{fault.kind.value}: stage {fault.stage} runs headless on another host; "
+            "inject its faults there"
+        )
     if fault.stage not in replicas:
         raise FaultError(f"{fault.kind.value}: no stage {fault.stage}")
     if not 0 <= fault.replica < replicas[fault.stage]:
         raise FaultError(f"{fault.kind.value}: stage {fault.stage} has no replica {fault.replica}")
+
+
+def check_headless_fault(fault: Fault, stage_id: int, replicas: int) -> None:
+    """Raise `FaultError` unless `fault` applies to a 0.30 headless stage `stage_id`."""
+    if fault.kind in TARGET_WIDE:
+        raise FaultError(f"{fault.kind.value} is a fault of the head, not of a headless stage")
+    check_fault(fault, "0.30", {stage_id: replicas})
 
 
 def record_fault_triggered(state_dir: str | Path, fault: Fault, pid: int) -> None:

@@ -87,7 +87,8 @@ def gpu_dir(state_dir: str | Path) -> Path:
     return Path(state_dir) / "gpu"
 
 
-def _write_atomically(path: Path, document: dict[str, Any]) -> None:
+def write_json_atomically(path: Path, document: dict[str, Any]) -> None:
+    """Replace `path` whole: a reader sees the old document or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     with os.fdopen(handle, "w") as stream:
@@ -108,7 +109,7 @@ def write_devices(
         }
         for index in range(count)
     ]
-    _write_atomically(gpu_dir(state_dir) / DEVICES_FILE, {"devices": devices})
+    write_json_atomically(gpu_dir(state_dir) / DEVICES_FILE, {"devices": devices})
 
 
 class GpuAllocations:
@@ -142,7 +143,7 @@ class GpuAllocations:
         self._path.unlink(missing_ok=True)
 
     def _save(self) -> None:
-        _write_atomically(
+        write_json_atomically(
             self._path,
             {
                 "pid": self.pid,

@@ -2,7 +2,8 @@
 
 0.11: the orchestrator runs on the API's event loop and has vLLM-Omni 0.11's bug (a
 stage error makes it poll with a blocking sleep forever). 0.30: it runs on its own loop
-(the caller puts it in a thread), evicts dead replicas and fails requests quickly.
+(the caller puts it in a thread), evicts dead replicas and fails requests quickly; a
+stage may run headless on another host, its replicas registered by the coordinator.
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ class PendingStage:
 
 @dataclass
 class Replica:
-    """One stage replica process, as the API process sees it."""
+    """One stage replica process, as the API process sees it.
+
+    A remote replica (a headless stage's, on another host) has its connection to the
+    coordinator as `process` and `in_q`: it is alive while registered and heartbeating.
+    """
 
     spec: StageSpec
     process: Any
@@ -70,6 +75,8 @@ class Replica:
     pid: int = 0
     engine_pid: int | None = None
     evicted: bool = False
+    remote: bool = False
+    host: str = ""
     children: list[dict[str, Any]] = field(default_factory=list)
     inflight: dict[str, PendingStage] = field(default_factory=dict)
 
@@ -97,10 +104,11 @@ class Orchestrator:
         metrics: SimMetrics,
         telemetry: StageTelemetry,
         request_exit: Callable[[], None],
+        remote_stages: frozenset[int] = frozenset(),
     ) -> None:
         self.topology = topology
         self.generation = generation
-        self._specs = specs
+        self._specs = [s for s in specs if s.stage_id not in remote_stages]
         self._metrics = metrics
         self._telemetry = telemetry
         self._request_exit = request_exit
@@ -114,18 +122,10 @@ class Orchestrator:
         self._topology_reports: asyncio.Task[None] | None = None
 
     def spawn(self) -> None:
-        """Start every replica process; called on the main thread so that the 0.30
+        """Start every local replica process; called on the main thread so that the 0.30
         parent-death signal (which follows the spawning thread) lasts as long as the process."""
-        context = mp.get_context("spawn")
         for spec in self._specs:
-            in_q, out_q = context.Queue(), context.Queue()
-            if self.generation == "0.11":
-                process = context.Process(target=stage_worker_main, args=(spec, in_q, out_q))
-            else:
-                args = (spec, in_q, out_q, os.getpid())
-                process = context.Process(target=stage_replica_main, args=args)
-            process.start()
-            self.replicas[(spec.stage_id, spec.replica)] = Replica(spec, process, in_q, out_q)
+            self.replicas[(spec.stage_id, spec.replica)] = spawn_replica(spec)
 
     async def start(self) -> None:
         """Follow the replicas from the running loop and wait until all are ready."""
@@ -162,11 +162,12 @@ class Orchestrator:
                 replica.ready.set()
                 continue
             try:
-                loop.call_soon_threadsafe(self._dispatch, replica, message)
+                loop.call_soon_threadsafe(self.dispatch, replica, message)
             except RuntimeError:
                 return  # the loop is closed: the server is exiting
 
-    def _dispatch(self, replica: Replica, message: Message) -> None:
+    def dispatch(self, replica: Replica, message: Message) -> None:
+        """Act on one message of a replica; on the orchestrator's loop."""
         stage, index = replica.spec.stage_id, replica.spec.replica
         kind = message["type"]
         if kind == "child":
@@ -223,11 +224,44 @@ class Orchestrator:
         while not self._stopping.is_set():
             for replica in self.replicas.values():
                 if not replica.evicted and not replica.process.is_alive():
-                    replica.evicted = True
-                    spec = replica.spec
-                    logger.error("stage %d replica %d died: evicted", spec.stage_id, spec.replica)
-                    self._fail_inflight(replica, f"stage {spec.stage_id} replica died")
+                    self._evict(replica)
             await asyncio.sleep(LIVENESS_POLL_S)
+
+    def _evict(self, replica: Replica, why: str = "") -> None:
+        replica.evicted = True
+        spec = replica.spec
+        if replica.remote:
+            logger.error(
+                "stage %d replica %d died: evicted (remote pid %d on %s: %s)",
+                spec.stage_id,
+                spec.replica,
+                replica.pid,
+                replica.host,
+                replica.process.reason or why,
+            )
+            # Cut off, as the coordinator does: a replica that comes back registers anew.
+            replica.process.kill()
+        else:
+            logger.error("stage %d replica %d died: evicted", spec.stage_id, spec.replica)
+        self._fail_inflight(replica, f"stage {spec.stage_id} replica died")
+
+    def attach(self, replica: Replica) -> None:
+        """Take a remote replica that registered, in place of whatever held its slot; on
+        the orchestrator's loop."""
+        spec = replica.spec
+        key = (spec.stage_id, spec.replica)
+        previous = self.replicas.get(key)
+        if previous is not None and not previous.evicted:
+            self._evict(previous, "replaced by a new registration")
+        # A new dict, not an insertion: the API thread reads it without a lock.
+        self.replicas = {**self.replicas, key: replica}
+        logger.info(
+            "stage %d replica %d registered: remote pid %d on %s",
+            spec.stage_id,
+            spec.replica,
+            replica.pid,
+            replica.host,
+        )
 
     def healthy(self) -> bool:
         if self.fatal_error is not None:
@@ -323,25 +357,9 @@ class Orchestrator:
             pending.changed.clear()
 
     def stop(self) -> None:
-        """Tell every replica to stop, wait a little, then kill what is left (blocking)."""
-        for replica in self.replicas.values():
-            if replica.process.is_alive():
-                replica.in_q.put({"type": "stop"})
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for replica in self.replicas.values():
-            replica.process.join(max(deadline - time.monotonic(), 0.0))
-        for replica in self.replicas.values():
-            if replica.process.is_alive():
-                logger.warning("stage %d did not stop: killed", replica.spec.stage_id)
-                replica.process.kill()
-                replica.process.join(1.0)
-                if replica.engine_pid:
-                    _kill_quietly(replica.engine_pid)
+        """Stop every local replica (blocking); remote ones are the coordinator's."""
+        stop_replicas([r for r in self.replicas.values() if not r.remote])
         self._stopping.set()
-        for replica in self.replicas.values():
-            # Never wait at exit for a queue whose reader is gone.
-            replica.in_q.cancel_join_thread()
-            replica.out_q.cancel_join_thread()
         for thread in self._drains:
             thread.join(DRAIN_POLL_S * 3)
 
@@ -355,9 +373,45 @@ class Orchestrator:
                 "engine_pid": r.engine_pid,
                 "alive": r.alive,
                 "children": list(r.children),
+                "remote": r.remote,
+                "host": r.host,
             }
             for _, r in sorted(self.replicas.items())
         ]
+
+
+def spawn_replica(spec: StageSpec) -> Replica:
+    """Start one stage replica process of `spec`'s generation."""
+    context = mp.get_context("spawn")
+    in_q, out_q = context.Queue(), context.Queue()
+    if spec.generation == "0.11":
+        process = context.Process(target=stage_worker_main, args=(spec, in_q, out_q))
+    else:
+        args = (spec, in_q, out_q, os.getpid())
+        process = context.Process(target=stage_replica_main, args=args)
+    process.start()
+    return Replica(spec, process, in_q, out_q)
+
+
+def stop_replicas(replicas: Sequence[Replica]) -> None:
+    """Tell local replicas to stop, wait a little, then kill what is left (blocking)."""
+    for replica in replicas:
+        if replica.process.is_alive():
+            replica.in_q.put({"type": "stop"})
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for replica in replicas:
+        replica.process.join(max(deadline - time.monotonic(), 0.0))
+    for replica in replicas:
+        if replica.process.is_alive():
+            logger.warning("stage %d did not stop: killed", replica.spec.stage_id)
+            replica.process.kill()
+            replica.process.join(1.0)
+            if replica.engine_pid:
+                _kill_quietly(replica.engine_pid)
+    for replica in replicas:
+        # Never wait at exit for a queue whose reader is gone.
+        replica.in_q.cancel_join_thread()
+        replica.out_q.cancel_join_thread()
 
 
 def _kill_quietly(pid: int) -> None:

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from omni_watchdog.instrument.admin import add_aiohttp_admin_route
 from omni_watchdog.instrument.telemetry import StageTelemetry
+from omni_watchdog.sim.coordinator import Coordinator
 from omni_watchdog.sim.engine import StageSpec
 from omni_watchdog.sim.faults import (
     EVENTS_FILE,
@@ -35,8 +36,9 @@ from omni_watchdog.sim.faults import (
     record_fault_triggered,
 )
 from omni_watchdog.sim.metrics import SimMetrics
-from omni_watchdog.sim.nvml import DEFAULT_DEVICE_BYTES
+from omni_watchdog.sim.nvml import DEFAULT_DEVICE_BYTES, write_json_atomically
 from omni_watchdog.sim.orchestrator import Completion, Orchestrator, StageFailed
+from omni_watchdog.sim.wire import DEFAULT_HEARTBEAT_TIMEOUT_S
 from omni_watchdog.types import Topology
 
 logger = logging.getLogger("omni_watchdog.sim")
@@ -45,7 +47,6 @@ API_FILE = "api.json"
 DEFAULT_MAX_TOKENS = 16
 # vLLM's default when a stage config gives no memory share.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-LISTEN_BACKLOG = 128
 ANSWER_GRACE_S = 0.1
 T = TypeVar("T")
 
@@ -66,6 +67,9 @@ class SimSettings:
     max_tokens_cap: int
     gpus: int
     device_bytes: int = DEFAULT_DEVICE_BYTES
+    # Stages that run headless on other hosts and register with the coordinator (0.30).
+    remote_stages: frozenset[int] = frozenset()
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S
 
 
 class SimError(ValueError):
@@ -105,19 +109,13 @@ def stage_specs(settings: SimSettings) -> list[StageSpec]:
     return specs
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """Listen at once; nothing accepts until start-up is done, so clients wait, not fail."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, port))
-    listener.listen(LISTEN_BACKLOG)
-    return listener
-
-
 class SimServer:
-    """The API process: HTTP in front, the orchestrator behind, faults on the side."""
+    """The API process: HTTP in front, the orchestrator behind, faults on the side; with a
+    `master` listener, the coordinator that headless stages register with."""
 
-    def __init__(self, settings: SimSettings, listener: socket.socket) -> None:
+    def __init__(
+        self, settings: SimSettings, listener: socket.socket, master: socket.socket | None = None
+    ) -> None:
         self.settings = settings
         self._listener = listener
         self._replica_counts = {s.stage_id: s.replicas for s in settings.topology.stages}
@@ -129,14 +127,25 @@ class SimServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._orchestrator_loop: asyncio.AbstractEventLoop | None = None
         self._armed: list[Fault] = list(settings.faults)
+        specs = stage_specs(settings)
         self.orchestrator = Orchestrator(
             settings.topology,
-            stage_specs(settings),
+            specs,
             settings.generation,
             self.metrics,
             self.telemetry,
             self.request_shutdown,
+            settings.remote_stages,
         )
+        self.coordinator: Coordinator | None = None
+        if master is not None:
+            self.coordinator = Coordinator(
+                self.orchestrator,
+                specs,
+                settings.remote_stages,
+                settings.heartbeat_timeout,
+                master,
+            )
 
     def request_shutdown(self) -> None:
         """Start the graceful shutdown from any thread (what SIGTERM does)."""
@@ -166,6 +175,8 @@ class SimServer:
                 target=self._orchestrator_loop.run_forever, name="orchestrator", daemon=True
             ).start()
         await self._on_orchestrator(self.orchestrator.start)
+        if self.coordinator is not None:
+            await self._on_orchestrator(self.coordinator.start)
         await self._slow_startup()
         for fault in self.settings.faults:
             self._apply_now(fault)
@@ -181,6 +192,9 @@ class SimServer:
         logger.info("shutting down")
         await runner.cleanup()
         await loop.run_in_executor(None, self.orchestrator.stop)
+        if self.coordinator is not None:
+            # After the orchestrator stopped watching: dropping them is no eviction.
+            await self._on_orchestrator(self.coordinator.close)
         if self._orchestrator_loop is not None:
             self._orchestrator_loop.call_soon_threadsafe(self._orchestrator_loop.stop)
         self.telemetry.shutdown()
@@ -292,7 +306,9 @@ class SimServer:
             if not isinstance(document, dict):
                 raise FaultError('expected a JSON object like {"kind": "silent-stall"}')
             fault = fault_from_mapping(document)
-            check_fault(fault, self.settings.generation, self._replica_counts)
+            check_fault(
+                fault, self.settings.generation, self._replica_counts, self.settings.remote_stages
+            )
             if fault.kind in START_ONLY:
                 raise FaultError(f"{fault.kind.value} can only be given at start (--fault)")
         except (FaultError, json.JSONDecodeError) as error:
@@ -312,6 +328,7 @@ class SimServer:
                 "api_pid": os.getpid(),
                 "healthy": self.orchestrator.healthy(),
                 "stages": self.orchestrator.state(),
+                "master": None if self.coordinator is None else self.coordinator.state(),
                 "armed_faults": [f.as_dict() for f in self._armed],
                 "triggered_faults": _triggered(self.settings.state_dir),
             }
@@ -351,9 +368,8 @@ def _triggered(state_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def write_api_file(state_dir: Path, host: str, port: int) -> None:
-    """`$STATE/api.json`: where the server listens and its pid, before start-up ends."""
+def write_listen_file(state_dir: Path, name: str, host: str, port: int) -> None:
+    """`$STATE/<name>`: where the server listens (`api.json`: HTTP, `master.json`: the
+    coordinator) and its pid, before start-up ends."""
     document = {"pid": os.getpid(), "host": host, "port": port}
-    temporary = state_dir / f".{API_FILE}.tmp"
-    temporary.write_text(json.dumps(document))
-    os.replace(temporary, state_dir / API_FILE)
+    write_json_atomically(state_dir / name, document)

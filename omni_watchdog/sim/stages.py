@@ -13,6 +13,8 @@ import os
 import queue
 import signal
 import subprocess
+import threading
+import time
 from typing import Any
 
 from omni_watchdog.instrument.telemetry import StageTelemetry
@@ -198,6 +200,18 @@ def stage_replica_main(spec: StageSpec, in_q: Any, out_q: Any, parent_pid: int) 
     asyncio.run(_stage_replica_async(spec, in_q, out_q))
 
 
+def _beat_to_master(out_q: Any, interval: float) -> None:
+    """A headless replica's heartbeats to the master, from a thread of their own: as in
+    vLLM-Omni 0.30 they are off the forward path, so a blocked forward keeps beating while a
+    stopped or killed process falls silent."""
+    while True:
+        try:
+            out_q.put({"type": "heartbeat"})
+        except ValueError:
+            return  # the queue is closed: the replica is on its way out
+        time.sleep(interval)
+
+
 async def _stage_replica_async(spec: StageSpec, in_q: Any, out_q: Any) -> None:
     """The 0.30 replica loop: it generates on its own loop."""
     telemetry = _telemetry(spec)
@@ -211,6 +225,10 @@ async def _stage_replica_async(spec: StageSpec, in_q: Any, out_q: Any) -> None:
     for kind in spec.faults:
         if kind in HELPER_CHILD_FAULTS:
             children.start(kind)
+    if spec.master_heartbeat_s > 0:
+        threading.Thread(
+            target=_beat_to_master, args=(out_q, spec.master_heartbeat_s), daemon=True
+        ).start()
     emit({"type": "ready", "pid": os.getpid(), "engine_pid": None})
     while True:
         message = await next_message(in_q)

@@ -61,7 +61,17 @@ class Sim:
         self.url = ""
 
     def start(self, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> Sim:
-        command = [sys.executable, "-m", "omni_watchdog.sim", "--port", "0"]
+        self.launch("--port", "0", *args, env=env)
+        api = wait_until(lambda: self.state_file("api.json"), START_TIMEOUT_S)
+        self.url = f"http://127.0.0.1:{api['port']}"
+        if wait:
+            wait_until(lambda: self.get("/health", timeout=0.5).status == 200, START_TIMEOUT_S)
+            self.state()
+        return self
+
+    def launch(self, *args: str, env: dict[str, str] | None = None) -> None:
+        """Start `python -m omni_watchdog.sim` with `args`, not waiting for anything."""
+        command = [sys.executable, "-m", "omni_watchdog.sim"]
         command += ["--state-dir", str(self.state_dir), "--token-delay", "0.01", *args]
         environment = {**os.environ, **(env or {})}
         environment.pop(STATE_ENV, None)
@@ -74,19 +84,15 @@ class Sim:
                 env=environment,
                 start_new_session=True,
             )
-        api = wait_until(self._api_file, START_TIMEOUT_S)
-        self.url = f"http://127.0.0.1:{api['port']}"
-        if wait:
-            wait_until(lambda: self.get("/health", timeout=0.5).status == 200, START_TIMEOUT_S)
-            self.state()
-        return self
 
-    def _api_file(self) -> dict[str, Any] | None:
+    def state_file(self, name: str) -> dict[str, Any] | None:
+        """A JSON file the sim writes in its state dir, or None while there is none; fails
+        once the sim has exited."""
         assert self.process is not None
         if self.process.poll() is not None:
             raise AssertionError(f"sim exited with {self.process.returncode}:\n{self.output()}")
         try:
-            return dict(json.loads((self.state_dir / "api.json").read_text()))
+            return dict(json.loads((self.state_dir / name).read_text()))
         except (FileNotFoundError, ValueError):
             return None
 
