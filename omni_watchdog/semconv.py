@@ -48,6 +48,8 @@ PROCESS_KIND: Final = "omni.process.kind"
 # watchdog believes only the target's processes.
 PROCESS_START_TICKS: Final = "omni.process.start_ticks"
 HOST_BOOT_ID: Final = "omni.host.boot_id"
+# OpenTelemetry's: the host a process runs on, so a remote stage's spans say where it is.
+HOST_NAME: Final = "host.name"
 
 # --- Ours: the watchdog's incident traces ------------------------------------------------
 

@@ -6,10 +6,10 @@ and a millisecond a batch, taken from the loop being watched. Here a batch is wr
 straight to protobuf's wire format (the bytes equal the SDK encoder's, which the tests
 check) and posted over one kept-alive `http.client` connection.
 
-This exporter serves `OMNI_WATCHDOG_OTLP_ENDPOINT` only: the watchdog's receiver needs no
-compression or client certificates, and its one header, the bearer token, is given here. A
-general collector named by the standard `OTEL_EXPORTER_OTLP_*` variables keeps the SDK's
-exporter, which honours all of those.
+This exporter serves `OMNI_WATCHDOG_OTLP_ENDPOINT` and `OMNI_WATCHDOG_HEAD_OTLP_ENDPOINT`
+only: the watchdog's receiver needs no compression or client certificates, and its one
+header, the bearer token, is given here. A general collector named by the standard
+`OTEL_EXPORTER_OTLP_*` variables keeps the SDK's exporter, which honours all of those.
 """
 
 from __future__ import annotations
@@ -296,6 +296,8 @@ class WatchdogSpanExporter(SpanExporter):
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {endpoint!r}")
+        # A stage that exports to two watchdogs says which one failed.
+        self._endpoint = endpoint
         self._https = parts.scheme == "https"
         self._host = parts.hostname
         self._port = parts.port
@@ -345,11 +347,11 @@ class WatchdogSpanExporter(SpanExporter):
                 status = self._post(body)
             except (OSError, http.client.HTTPException) as error:
                 self._close()
-                logger.debug("span export failed: %s", error)
+                logger.debug("span export to %s failed: %s", self._endpoint, error)
                 return SpanExportResult.FAILURE
         if 200 <= status < 300:
             return SpanExportResult.SUCCESS
-        logger.debug("span export refused: HTTP %d", status)
+        logger.debug("span export to %s refused: HTTP %d", self._endpoint, status)
         return SpanExportResult.FAILURE
 
     def shutdown(self) -> None:

@@ -3,6 +3,10 @@
 Everything here runs inside the server being watched, so no method lets an exception out,
 nothing blocks on the network (spans go to a bounded queue drained by the SDK's export
 thread), and a collector that is down costs dropped spans, counted, never a slower server.
+
+A headless stage's processes (vLLM-Omni 0.30 `--headless`, on another host than the API)
+send every span to two watchdogs: the one beside them, which acts on them, and the head's,
+which judges the pipeline's remote stages from those spans alone.
 """
 
 from __future__ import annotations
@@ -10,14 +14,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 import traceback as traceback_module
 import types
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from urllib.parse import urlsplit
 
+from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, set_value
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -35,6 +42,7 @@ from omni_watchdog.semconv import (
     EXCEPTION_STACKTRACE,
     EXCEPTION_TYPE,
     HEARTBEAT_SPAN,
+    HOST_NAME,
     PROCESS_KIND,
     PROCESS_PID,
     REQUEST_ABANDONED_SPAN,
@@ -55,6 +63,9 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT_ENV = "OMNI_WATCHDOG_OTLP_ENDPOINT"
 TOKEN_ENV = "OMNI_WATCHDOG_OTLP_TOKEN"
+HEAD_ENDPOINT_ENV = "OMNI_WATCHDOG_HEAD_OTLP_ENDPOINT"
+HEAD_TOKEN_ENV = "OMNI_WATCHDOG_HEAD_OTLP_TOKEN"
+HOST_ENV = "OMNI_WATCHDOG_HOST"
 STANDARD_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 HEARTBEAT_INTERVAL_ENV = "OMNI_WATCHDOG_HEARTBEAT_INTERVAL"
 SERVICE_NAME_ENV = "OTEL_SERVICE_NAME"
@@ -97,13 +108,13 @@ class _SpanLedger:
         self._in_flight = 0
         self.dropped = 0
 
-    def admit(self) -> bool:
-        """Reserve a queue slot for one span; False (and counted as dropped) when full."""
+    def admit(self, count: int = 1) -> bool:
+        """Reserve queue slots for `count` spans; False (and counted as dropped) when full."""
         with self._lock:
-            if self._in_flight >= self._capacity:
-                self.dropped += 1
+            if self._in_flight + count > self._capacity:
+                self.dropped += count
                 return False
-            self._in_flight += 1
+            self._in_flight += count
             return True
 
     def settle(self, count: int, delivered: bool) -> None:
@@ -134,6 +145,73 @@ class _CountingExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._exporter.force_flush(timeout_millis)
+
+
+class _ExportLane:
+    """One destination of the fanned-out batches: its own thread, backlog and ledger.
+
+    The watchdog beside a headless stage and the head's watchdog across the network fail
+    apart. Exported one after the other, a head that hangs for its whole timeout (5 s) would
+    hold back the heartbeats the local watchdog judges the stage by (3 s); so each waits
+    only for its own exports, and a destination that stays down loses its own spans,
+    counted, once `capacity` of them are waiting, and costs the other nothing.
+    """
+
+    def __init__(self, name: str, exporter: SpanExporter, capacity: int) -> None:
+        self.ledger = _SpanLedger(capacity)
+        self._exporter = _CountingExporter(exporter, self.ledger)
+        self._backlog: deque[Sequence[ReadableSpan]] = deque()
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._drain, name=f"omni-watchdog-export-{name}", daemon=True
+        )
+        self._thread.start()
+
+    def offer(self, spans: Sequence[ReadableSpan]) -> None:
+        """Queue one batch for this destination; refused and counted when its backlog is full."""
+        if not self.ledger.admit(len(spans)):
+            return
+        with self._changed:
+            self._backlog.append(spans)
+            self._changed.notify()
+
+    def _drain(self) -> None:
+        # As on the SDK's export thread: an instrumented HTTP client must not trace the
+        # exports themselves. The thread's context lives as long as the thread.
+        attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._backlog) or self._closed)
+                if not self._backlog:
+                    return
+                spans = self._backlog.popleft()
+            self._exporter.export(spans)
+
+    def close(self) -> None:
+        """Export what is queued, then stop and close the exporter."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        self._thread.join()
+        self._exporter.shutdown()
+
+
+class _FanOutExporter(SpanExporter):
+    """Hands each batch to every destination's lane and returns without waiting for any."""
+
+    def __init__(self, lanes: Sequence[_ExportLane]) -> None:
+        self._lanes = tuple(lanes)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        for lane in self._lanes:
+            lane.offer(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        # Every lane drains on its own thread meanwhile: the waits overlap.
+        for lane in self._lanes:
+            lane.close()
 
 
 class _BoundedProcessor(SpanProcessor):
@@ -209,12 +287,14 @@ class StageTelemetry:
         self,
         exporter: SpanExporter | None,
         *,
+        head_exporter: SpanExporter | None = None,
         process_kind: str,
         stage_id: int | None = None,
         stage_name: str | None = None,
         replica: int | None = None,
         service_name: str = DEFAULT_SERVICE_NAME,
         pid: int | None = None,
+        host_name: str | None = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
         max_queue_size: int = MAX_QUEUE_SIZE,
         schedule_delay_s: float = SCHEDULE_DELAY_S,
@@ -233,6 +313,8 @@ class StageTelemetry:
         self._shutdown_lock = threading.Lock()
         self._processor: SpanProcessor | None = None
         self._ids = RandomIdGenerator()
+        self._own_lane: _ExportLane | None = None
+        self._head_lane: _ExportLane | None = None
         if exporter is None:
             return
         sender = os.getpid() if pid is None else pid
@@ -243,10 +325,16 @@ class StageTelemetry:
             # The watchdog takes a span as evidence only from a process of the target's
             # tree: pid and start together name this process for life on this host.
             **process_start.sender_attributes(sender),
+            # And only on this host: the head's watchdog tells a remote stage's spans by it.
+            HOST_NAME: host_name or socket.gethostname(),
         }
         if stage_name is not None:
             resource[STAGE_NAME] = stage_name
         resource.update(self._stage_attributes)
+        if head_exporter is not None:
+            self._own_lane = _ExportLane("own", exporter, max_queue_size)
+            self._head_lane = _ExportLane("head", head_exporter, max_queue_size)
+            exporter = _FanOutExporter((self._own_lane, self._head_lane))
         batch = BatchSpanProcessor(
             _CountingExporter(exporter, self._ledger),
             max_queue_size=max_queue_size,
@@ -272,18 +360,27 @@ class StageTelemetry:
         if process_kind not in PROCESS_KINDS:
             logger.warning("omni-watchdog: unknown process kind %r", process_kind)
         exporter: SpanExporter | None = None
+        head: SpanExporter | None = None
         try:
             exporter = _exporter(env)
         except Exception:
             logger.warning("omni-watchdog: no OTLP exporter, spans disabled", exc_info=True)
         try:
+            head = _head_exporter(env)
+        except Exception:
+            logger.warning("omni-watchdog: no export to the head's watchdog", exc_info=True)
+        if exporter is None:
+            exporter, head = head, None
+        try:
             return cls(
                 exporter,
+                head_exporter=head,
                 process_kind=process_kind,
                 stage_id=stage_id,
                 stage_name=stage_name,
                 replica=replica,
                 service_name=env.get(SERVICE_NAME_ENV) or DEFAULT_SERVICE_NAME,
+                host_name=env.get(HOST_ENV, "").strip() or None,
                 heartbeat_interval=heartbeat_interval(env),
             )
         except Exception:
@@ -296,7 +393,16 @@ class StageTelemetry:
 
     @property
     def dropped_spans(self) -> int:
-        return self._ledger.dropped
+        """Spans its (local) endpoint never got: refused by a full queue or lost in export."""
+        own = self._own_lane.ledger.dropped if self._own_lane is not None else 0
+        return self._ledger.dropped + own
+
+    @property
+    def head_dropped_spans(self) -> int:
+        """The same for the head's watchdog; 0 where spans go to no head."""
+        if self._head_lane is None:
+            return 0
+        return self._ledger.dropped + self._head_lane.ledger.dropped
 
     def span_attributes(self, request_id: str | None = None) -> dict[str, AttributeValue]:
         """The stage's own attributes, plus the request id when there is one."""
@@ -502,21 +608,23 @@ class StageTelemetry:
             logger.debug("telemetry shutdown failed", exc_info=True)
 
 
-def _own_endpoint(environ: Mapping[str, str]) -> str | None:
-    own = environ.get(ENDPOINT_ENV, "").strip()
-    if not own:
+def _watchdog_endpoint(environ: Mapping[str, str], variable: str) -> str | None:
+    """A watchdog's receiver URL from `variable`; a URL without a path gets /v1/traces."""
+    url = environ.get(variable, "").strip()
+    if not url:
         return None
-    return own if urlsplit(own).path not in ("", "/") else own.rstrip("/") + TRACES_PATH
+    return url if urlsplit(url).path not in ("", "/") else url.rstrip("/") + TRACES_PATH
 
 
 def traces_endpoint(environ: Mapping[str, str]) -> str | None:
     """The OTLP/HTTP traces URL to export to, or None when none is configured."""
-    return _own_endpoint(environ) or environ.get(STANDARD_ENDPOINT_ENV, "").strip() or None
+    own = _watchdog_endpoint(environ, ENDPOINT_ENV)
+    return own or environ.get(STANDARD_ENDPOINT_ENV, "").strip() or None
 
 
 def _exporter(environ: Mapping[str, str]) -> SpanExporter | None:
     """The watchdog's own lean exporter for its endpoint; the SDK's for a general collector."""
-    own = _own_endpoint(environ)
+    own = _watchdog_endpoint(environ, ENDPOINT_ENV)
     if own is not None:
         token = environ.get(TOKEN_ENV, "").strip()
         return WatchdogSpanExporter(own, timeout_s=WATCHDOG_EXPORT_TIMEOUT_S, token=token)
@@ -527,6 +635,23 @@ def _exporter(environ: Mapping[str, str]) -> SpanExporter | None:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter(endpoint=standard, timeout=EXPORT_TIMEOUT_S)
+
+
+def _head_exporter(environ: Mapping[str, str]) -> SpanExporter | None:
+    """The lean exporter for the head's watchdog, or None when there is no head or no token."""
+    head = _watchdog_endpoint(environ, HEAD_ENDPOINT_ENV)
+    if head is None:
+        return None
+    token = environ.get(HEAD_TOKEN_ENV, "").strip()
+    if not token:
+        # The head's receiver refuses a remote sender without its token, every batch.
+        logger.warning(
+            "omni-watchdog: %s is set but %s is not: no spans go to the head's watchdog",
+            HEAD_ENDPOINT_ENV,
+            HEAD_TOKEN_ENV,
+        )
+        return None
+    return WatchdogSpanExporter(head, timeout_s=WATCHDOG_EXPORT_TIMEOUT_S, token=token)
 
 
 def heartbeat_interval(environ: Mapping[str, str]) -> float:

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,18 +36,34 @@ class CapturedSpan:
     status_message: str
     events: list[tuple[str, dict[str, Any]]]
     start_ns: int
+    span_id: bytes
 
 
 class Collector:
-    """Decodes `ExportTraceServiceRequest` bodies posted to /v1/traces and keeps the spans."""
+    """Decodes `ExportTraceServiceRequest` bodies posted to /v1/traces and keeps the spans.
+
+    It keeps each request's `Authorization` header too, and can misbehave: answer every
+    export with `status`, or hold every answer while `hanging`, until the test ends.
+    """
 
     def __init__(self) -> None:
         self.spans: list[CapturedSpan] = []
+        self.authorizations: list[str | None] = []
+        self.status = 200
+        self.hanging = False
+        self.released = threading.Event()
         self._lock = threading.Lock()
         self.url = ""
 
     async def receive(self, request: web.Request) -> web.Response:
-        message = ExportTraceServiceRequest.FromString(await request.read())
+        body = await request.read()
+        with self._lock:
+            self.authorizations.append(request.headers.get("Authorization"))
+        while self.hanging and not self.released.is_set():
+            await asyncio.sleep(0.05)
+        if self.status != 200:
+            return web.Response(status=self.status)
+        message = ExportTraceServiceRequest.FromString(body)
         with self._lock:
             for resource_spans in message.resource_spans:
                 resource = {
@@ -71,6 +88,7 @@ class Collector:
                                     for e in span.events
                                 ],
                                 start_ns=span.start_time_unix_nano,
+                                span_id=span.span_id,
                             )
                         )
         return web.Response(
@@ -113,8 +131,9 @@ def unused_port() -> int:
     return free_port()
 
 
-@pytest.fixture
-def collector() -> Iterator[Collector]:
+@contextmanager
+def serving() -> Iterator[Collector]:
+    """A collector listening on a loopback port, on its own event loop's thread."""
     collector = Collector()
     loop = asyncio.new_event_loop()
     app = web.Application()
@@ -133,7 +152,21 @@ def collector() -> Iterator[Collector]:
     try:
         yield collector
     finally:
+        collector.released.set()
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+@pytest.fixture
+def collector() -> Iterator[Collector]:
+    with serving() as collector:
+        yield collector
+
+
+@pytest.fixture
+def head_collector() -> Iterator[Collector]:
+    """A second collector: the head's watchdog, beside the local one."""
+    with serving() as collector:
+        yield collector

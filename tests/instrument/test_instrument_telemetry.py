@@ -6,13 +6,11 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from instrument.kept_spans import KeptSpans
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from instrument.kept_spans import BlockedExporter, KeptSpans
 
 from omni_watchdog import process_start
 from omni_watchdog.instrument.telemetry import StageTelemetry, heartbeat_interval, traces_endpoint
@@ -198,19 +196,6 @@ def test_collector_down_costs_counted_drops_not_time(
     telemetry.shutdown(timeout_s=1.0)
     telemetry.shutdown(timeout_s=1.0)
     assert time.monotonic() - started < 1.5
-
-
-class BlockedExporter(SpanExporter):
-    """An exporter stuck on a collector that never answers, until released."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.exported = 0
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.release.wait(5)
-        self.exported += len(spans)
-        return SpanExportResult.SUCCESS
 
 
 def test_a_full_queue_drops_and_counts_without_blocking() -> None:
