@@ -47,7 +47,7 @@ from omni_watchdog.state import StateAssembler
 from omni_watchdog.stats import WatchdogStats
 from omni_watchdog.target import TargetWatch
 from omni_watchdog.tasks import end_tasks
-from omni_watchdog.topology import TopologySenders, replaces
+from omni_watchdog.topology import TopologySenders, replaces, with_remote_stages
 from omni_watchdog.types import (
     Clock,
     DetectorReport,
@@ -162,7 +162,7 @@ class Watchdog:
         log_event(
             logger,
             "watchdog_started",
-            target=config.target,
+            target=self.target.url,
             mode=config.mode.value,
             api_port=self.api_port,
             otlp_port=self.otlp_port,
@@ -265,6 +265,7 @@ class Watchdog:
         in use (`topology.replaces`), everywhere at once, keeping the detector's state of
         the stages that stay. A re-attach keeps it too: a restarted server almost always
         runs the same pipeline, and whatever it runs now is learned again."""
+        offered = with_remote_stages(offered, self.config.remote_stages)
         if not replaces(self.topology, offered):
             return
         self.topology = offered

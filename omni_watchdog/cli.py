@@ -64,11 +64,16 @@ def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
         "mode": "mode",
         "gpu_backend": "probes.gpu_backend",
         "state_dir": "state_dir",
+        "host": "host",
     }
     for attribute, dotted in flags.items():
         value = getattr(args, attribute, None)
         if value is not None:
             _set_override(overrides, dotted, value)
+    if getattr(args, "headless", False):
+        overrides["headless"] = True
+    if getattr(args, "remote_stage", None):
+        overrides["remote_stages"] = list(args.remote_stage)
     for assignment in args.set or ():
         dotted, sep, value = assignment.partition("=")
         if not sep or not all(dotted.strip().split(".")):
@@ -90,6 +95,22 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the server's pid; 0 finds it by the target's port {_default(defaults.pid)}",
     )
     parser.add_argument("--stage-config", help="vLLM-Omni stage config (0.11 or 0.30 schema)")
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        default=None,
+        help="watch a vLLM-Omni 0.30 headless stage server on this host (found by --pid or"
+        " by its --headless command line); it has no HTTP API",
+    )
+    parser.add_argument(
+        "--remote-stage",
+        action="append",
+        type=int,
+        metavar="STAGE",
+        help="a stage that runs on another host: judged from its spans, never signalled"
+        " (repeatable; needs the OTLP token)",
+    )
+    parser.add_argument("--host", help="this host's name on the stage series (default: hostname)")
     parser.add_argument(
         "--listen", help=f"HOST:PORT of the watchdog API {_default(defaults.listen)}"
     )

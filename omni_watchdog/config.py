@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import socket
 import tempfile
 import typing
 from collections.abc import Callable, Mapping
@@ -170,6 +171,13 @@ def _check_probes(names: list[str]) -> None:
             raise ValueError(f"unknown probe {_shown(name)}; expected some of {', '.join(PROBES)}")
 
 
+def _check_stage_ids(ids: list[int]) -> None:
+    if any(stage_id < 0 for stage_id in ids):
+        raise ValueError(f"expected stage ids of 0 or more, got {ids}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"a stage is named twice in {ids}")
+
+
 def _check_steps(names: list[str]) -> None:
     for name in names:
         if name not in LADDER_STEPS:
@@ -261,6 +269,19 @@ class DetectionConfig:
         30.0,
         "Unhealthy signs this long before the server exits make the exit a crash.",
         minimum=0.1,
+    )
+    link_grace: float = _duration(
+        10.0,
+        "A headless stage whose link to its master (reachable, and the stage connected to"
+        " it) has been down this long is orphaned: its own watchdog ends it.",
+        minimum=0.1,
+    )
+    remote_grace: float = _duration(
+        120.0,
+        "The head's /health failing this long while only remote stages are unwell (none"
+        " of its own) restarts the head: longer than the stage host needs to restart its"
+        " stage and register it again.",
+        minimum=1.0,
     )
 
 
@@ -411,6 +432,21 @@ class WatchdogConfig:
         maximum=_PID_MAX,
     )
     stage_config: str = _setting("", "vLLM-Omni stage config file (0.11 or 0.30 schema).")
+    headless: bool = _setting(
+        False,
+        "The target is a vLLM-Omni 0.30 headless stage server on this host (--headless):"
+        " found by pid or by its command line, it has no HTTP API and is judged from its"
+        " processes, spans, GPU memory and its link to the master.",
+    )
+    remote_stages: list[int] = _setting(
+        [],
+        "Stage ids that run on other hosts (headless stages): judged from their spans and"
+        " the server's /health, never signalled; their spans need the OTLP token.",
+        check=_check_stage_ids,
+    )
+    host: str = _setting(
+        "", "This host's name on every stage series; empty: the machine's hostname."
+    )
     listen: str = _setting(
         "127.0.0.1:9464", "HOST:PORT of the watchdog's own HTTP API.", check=_host_port
     )
@@ -452,6 +488,9 @@ class WatchdogConfig:
     probes: ProbesConfig = field(default_factory=ProbesConfig)
     spans: SpansConfig = field(default_factory=SpansConfig)
     ladder: LadderConfig = field(default_factory=LadderConfig)
+
+    def resolved_host(self) -> str:
+        return self.host or socket.gethostname()
 
     def resolved_state_dir(self) -> Path:
         if self.state_dir:
@@ -709,6 +748,22 @@ def load_config(
 
 def _validate(config: WatchdogConfig) -> None:
     """The checks that involve more than one field, on the merged configuration."""
+    if config.remote_stages and not config.otlp_token:
+        # A remote stage's spans come from processes this host cannot check: only the
+        # token tells them from anyone's.
+        raise ConfigError(
+            f"configuration: otlp_token: required with remote_stages; set {ENV_PREFIX}OTLP_TOKEN"
+        )
+    if config.headless and config.stage_config:
+        raise ConfigError(
+            "configuration: stage_config: a headless stage server runs the one stage its"
+            " command line names; its watchdog learns it from its process titles"
+        )
+    if config.headless and config.remote_stages:
+        raise ConfigError(
+            "configuration: remote_stages: a headless stage server runs one stage; only"
+            " the head's watchdog has remote stages"
+        )
     sees_exit = set(config.probes.enabled) & {"processes", "health"}
     if config.mode is Mode.ENFORCE and "verify" in config.ladder.steps and not sees_exit:
         # With neither, nothing can tell whether the server went: verify would always fail.

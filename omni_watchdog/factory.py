@@ -43,6 +43,7 @@ from omni_watchdog.probes.canary import CanaryProbe
 from omni_watchdog.probes.exits import ExitNotices
 from omni_watchdog.probes.gpu import GpuProbe, load_nvml
 from omni_watchdog.probes.health import HealthProbe
+from omni_watchdog.probes.link import MasterLinkProbe
 from omni_watchdog.probes.metrics import MetricsProbe
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.server_config import ServerConfigReader
@@ -53,8 +54,24 @@ from omni_watchdog.serving import Listener
 from omni_watchdog.state import StateAssembler
 from omni_watchdog.stats import WatchdogStats
 from omni_watchdog.target import TargetWatch
-from omni_watchdog.topology import TopologySenders, default_topology, load_topology
-from omni_watchdog.types import Clock, Exporter, Nvml, Probe, ProcessTable, Topology
+from omni_watchdog.topology import (
+    TopologySenders,
+    default_topology,
+    load_topology,
+    with_remote_stages,
+)
+from omni_watchdog.types import (
+    Clock,
+    Exporter,
+    Nvml,
+    Probe,
+    ProcessTable,
+    StepName,
+    Topology,
+)
+
+# The probes that ask the server over HTTP, which a headless stage server does not serve.
+HTTP_PROBES = frozenset({"health", "metrics", "canary"})
 
 
 async def build_watchdog(
@@ -78,8 +95,15 @@ async def build_watchdog(
             clock=clock,
             process_table=process_table,
             nvml=nvml if nvml is not None else load_nvml(config.probes.gpu_backend),
-            topology=topology
-            or (load_topology(config.stage_config) if config.stage_config else default_topology()),
+            topology=with_remote_stages(
+                topology
+                or (
+                    load_topology(config.stage_config)
+                    if config.stage_config
+                    else default_topology()
+                ),
+                config.remote_stages,
+            ),
             start_time=start_time,
             read_server_config=read_server_config or ServerConfigReader().read,
         )
@@ -101,21 +125,29 @@ def _assemble(
 ) -> Watchdog:
     probes = config.probes
     enabled = set(probes.enabled)
-    target_url = config.target
+    if config.headless:
+        # A headless stage server has no HTTP API to ask; its link to its master says
+        # whether anything will send it work again.
+        enabled = (enabled - HTTP_PROBES) | {MasterLinkProbe.name}
+    host = config.resolved_host()
+    target_url = f"headless://{host}" if config.headless else config.target
     port = urlparse(target_url).port or (443 if target_url.startswith("https") else 80)
     state_dir = config.resolved_state_dir()
     errors = InternalErrors()
     board = ProbeBoard(enabled)
     write_errors = StateWriteErrors()
-    detector = Detector(config.detection, topology, clock.monotonic())
+    detector = Detector(
+        config.detection, topology, clock.monotonic(), remote_stages=config.remote_stages
+    )
     sight = LoopSight(clock, detector.blind)
 
     tracker = ProcessTracker(
         process_table,
         clock,
         own_pid=os.getpid(),
-        target_port=None if config.pid else port,
+        target_port=None if config.pid or config.headless else port,
         pid=config.pid or None,
+        headless=config.headless,
         topology=topology,
         start_time=start_time,
         server_topology=read_server_config,
@@ -139,6 +171,7 @@ def _assemble(
         # A new process's spans wait for the tracker's next scans before they count as a
         # stranger's.
         sender_grace=max(2.0, 4 * probes.interval),
+        remote_stages=frozenset(config.remote_stages),
     )
     gpu = GpuProbe(nvml, clock, tracker.stage_of) if nvml is not None else None
     if gpu is None and "gpu" in enabled:
@@ -164,6 +197,16 @@ def _assemble(
     ]
     if gpu is not None:
         periodic.append((gpu, probes.interval))
+    link: MasterLinkProbe | None = None
+    if config.headless:
+        link = MasterLinkProbe(
+            process_table,
+            clock,
+            lambda: tracker.root,
+            tracker.live,
+            timeout=probes.health_timeout,
+        )
+        periodic.append((link, probes.interval))
     periodic = [(probe, every) for probe, every in periodic if probe.name in enabled]
 
     bundles = BundleWriter(state_dir / "incidents", write_errors)
@@ -185,7 +228,12 @@ def _assemble(
         find_py_spy(),
     )
     runner = LadderRunner(
-        ladder_from_config(config.ladder),
+        tuple(
+            step
+            for step in ladder_from_config(config.ladder)
+            # A headless stage server has no endpoint to ask: it is terminated.
+            if not (config.headless and step.name is StepName.SHUTDOWN)
+        ),
         config.ladder,
         actuators,
         capture,
@@ -237,6 +285,8 @@ def _assemble(
         sight=sight,
         detector=detector,
         operator=operator,
+        host=host,
+        link=link,
     )
     first = assembler.make(topology, None, None)
     exposition = MetricsExposition(clock, first)

@@ -432,6 +432,17 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
                 f"until {_utc(until)} ({_age(left)} left): {_text(pause.get('reason'))}",
             )
         )
+    link = status.get("link")
+    if isinstance(link, dict):
+        state = "up" if link.get("up") else "DOWN"
+        since = _number(link.get("since"))
+        lines.append(
+            _field(
+                "master",
+                f"{_text(link.get('address'))}:{_text(link.get('port'))}  {state}"
+                f" for {_age(None if since is None else now - since)}: {_text(link.get('detail'))}",
+            )
+        )
     lines.append(_field("incident", "none" if incident is None else _text(incident)))
     lines.append("")
     stages = [_mapping(stage) for stage in status.get("stages") or ()]
@@ -461,7 +472,7 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
                 _heartbeat_age(_number(stage.get("heartbeat_age_seconds"))),
             ]
         )
-    columns = (
+    columns: tuple[_Column, ...] = (
         _Column("STAGE", right=True),
         _Column("REPLICA", right=True),
         _Column("NAME"),
@@ -472,6 +483,12 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
         _Column("GPU MiB", right=True),
         _Column("HEARTBEAT", right=True),
     )
+    if any(stage.get("remote") for stage in stages):
+        # Stages on several hosts: a remote one is its own host's watchdog's to act on, so
+        # the table says where to go. On one host the column would only repeat its name.
+        columns = (*columns[:3], _Column("HOST"), *columns[3:])
+        for row, stage in zip(rows, stages, strict=True):
+            row.insert(3, _text(stage.get("host")) + (" (remote)" if stage.get("remote") else ""))
     lines.extend(_table(columns, rows, console.columns, console.colour))
     return lines
 

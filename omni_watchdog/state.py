@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from omni_watchdog.detector import Detector
 from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.core import Policy
 from omni_watchdog.policy.incidents import StateWriteErrors
+from omni_watchdog.probes.link import MasterLinkProbe
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.self_health import InternalErrors, LoopSight, ProbeBoard
@@ -45,8 +47,13 @@ class StateAssembler:
         sight: LoopSight,
         detector: Detector,
         operator: OperatorActions,
+        host: str = "",
+        link: MasterLinkProbe | None = None,
     ) -> None:
-        """`listeners` is read at each state: the watchdog fills it as it binds them."""
+        """`listeners` is read at each state: the watchdog fills it as it binds them.
+        `host` names this host; `link` is a headless stage's link probe."""
+        self._host = host
+        self._link = link
         self._clock = clock
         self._target = target
         self._tracker = tracker
@@ -83,7 +90,7 @@ class StateAssembler:
                 health=self._target.last_health,
             ),
             topology=topology,
-            report=report,
+            report=self._with_hosts(report),
             processes=tracker.recorded(),
             gpu=self._target.last_gpu(),
             probes=self._probes.snapshot(),
@@ -101,7 +108,23 @@ class StateAssembler:
             ),
             counters=self._stats.counters(),
             self_health=self.self_health(last_evaluation),
+            host=self._host,
+            link=self._link.state() if self._link is not None else None,
         )
+
+    def _with_hosts(self, report: DetectorReport | None) -> DetectorReport | None:
+        """Each stage where it runs: this host, or for a remote one what its spans said."""
+        if report is None:
+            return None
+        remote_hosts = self._receiver.remote_hosts
+        statuses = tuple(
+            dataclasses.replace(
+                status,
+                host=remote_hosts.get(status.stage.stage_id, "") if status.remote else self._host,
+            )
+            for status in report.statuses
+        )
+        return dataclasses.replace(report, statuses=statuses)
 
     def self_health(self, last_evaluation: float | None) -> SelfHealth:
         return SelfHealth(

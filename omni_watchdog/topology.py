@@ -103,6 +103,20 @@ def parse_topology(document: Any, origin: str, source: str = "") -> Topology:
     raise TopologyError(f"{origin}: top level: expected 'stage_args' (0.11) or 'stages' (0.30)")
 
 
+def with_remote_stages(topology: Topology, remote_stages: Iterable[int]) -> Topology:
+    """`topology` with every remote stage in it: one that runs on another host has no
+    process here to name it, so a topology learned from this host's titles or metrics
+    would leave it out. Added ones are named like any unnamed stage."""
+    known = {stage.stage_id for stage in topology.stages}
+    added = tuple(
+        Stage(stage_id, f"stage{stage_id}") for stage_id in sorted(set(remote_stages) - known)
+    )
+    if not added:
+        return topology
+    stages = tuple(sorted(topology.stages + added, key=lambda stage: stage.stage_id))
+    return replace(topology, stages=stages)
+
+
 def replaces(current: Topology, offered: Topology) -> bool:
     """Whether a topology learned from the server replaces the one in use.
 

@@ -36,6 +36,7 @@ class EvidenceKind(str, enum.Enum):
     PROCESS_EXIT = "process_exit"
     PROCESS_STUCK = "process_stuck"
     GPU_HELD = "gpu_held"
+    LINK_LOST = "link_lost"
 
 
 class ProcessRole(str, enum.Enum):
@@ -206,6 +207,7 @@ class ObservationKind(str, enum.Enum):
     GPU_PROCESS = "gpu_process"
     GPU_DEVICE = "gpu_device"
     TOPOLOGY = "topology"
+    LINK = "link"
 
 
 # PROGRESS `detail` of a stage whose counters move at every engine step (tokens, iterations).
@@ -274,6 +276,11 @@ class StageStatus:
     # change; None while none was seen.
     last_heartbeat: float | None = None
     last_progress: float | None = None
+    # A stage on another host (a vLLM-Omni 0.30 headless stage): judged from its spans and
+    # the server's word, never signalled by this watchdog. `host` is where it runs, as its
+    # spans say ("" while none said; a local stage is on the watchdog's own host).
+    remote: bool = False
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -284,6 +291,8 @@ class Verdict:
     state: StageState
     time: float
     evidence: tuple[Evidence, ...]
+    # About a stage on another host: shown and alerted on, never acted on by this watchdog.
+    remote: bool = False
 
 
 class Mode(str, enum.Enum):
@@ -573,6 +582,17 @@ class SelfHealth:
 
 
 @dataclass(frozen=True)
+class MasterLink:
+    """A headless stage's link to its master (the head's coordinator), as last checked."""
+
+    address: str
+    port: int
+    up: bool
+    since: float  # monotonic: when `up` last changed
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class WatchdogState:
     """Everything the exporters show, made by one evaluation and never changed after.
 
@@ -592,6 +612,10 @@ class WatchdogState:
     remediation: RemediationView
     counters: Counters
     self_health: SelfHealth
+    # The host this watchdog runs on: every stage series carries it, or its stage's own.
+    host: str = ""
+    # A watchdog of a headless stage: the link to its master, None elsewhere.
+    link: MasterLink | None = None
 
     def wall(self, monotonic_time: float) -> float:
         """A monotonic time of this state as wall-clock time."""
@@ -656,6 +680,9 @@ class SocketAddress(Protocol):
     """One end of a socket, as psutil names it."""
 
     @property
+    def ip(self) -> str: ...
+
+    @property
     def port(self) -> int: ...
 
 
@@ -667,6 +694,9 @@ class ProcessSocket(Protocol):
 
     @property
     def laddr(self) -> SocketAddress | tuple[()]: ...
+
+    @property
+    def raddr(self) -> SocketAddress | tuple[()]: ...
 
 
 class HeldSocket(ProcessSocket, Protocol):
@@ -706,6 +736,8 @@ class ProcessHandle(Protocol):
 
     def cmdline(self) -> list[str]: ...
 
+    def environ(self) -> dict[str, str]: ...
+
     def cpu_times(self) -> CpuTimes: ...
 
     def children(self, recursive: bool) -> Sequence[ProcessHandle]: ...
@@ -736,6 +768,9 @@ class ProcessTable(Protocol):
 
     @property
     def CONN_LISTEN(self) -> str: ...
+
+    @property
+    def CONN_ESTABLISHED(self) -> str: ...
 
     def Process(self, pid: int) -> ProcessHandle: ...
 

@@ -33,6 +33,7 @@ class FakeSocket:
     pid: int | None
     status: str
     laddr: FakeAddress
+    raddr: FakeAddress | tuple[()] = ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class FakeProcess:
     started: float
     # Signals it survives (SIGKILL is never one).
     ignores: set[int] = field(default_factory=set)
+    # (ip, port) of the peers it holds established TCP connections to.
+    connected_to: set[tuple[str, int]] = field(default_factory=set)
+    env: dict[str, str] = field(default_factory=dict)
 
     def oneshot(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -72,6 +76,9 @@ class FakeProcess:
             raise FakePsutil.ZombieProcess(self.pid)
         return self.argv
 
+    def environ(self) -> dict[str, str]:
+        return dict(self.env)
+
     def cpu_times(self) -> FakeCpuTimes:
         return FakeCpuTimes(user=1.5, system=0.5)
 
@@ -86,7 +93,16 @@ class FakeProcess:
         return [parent, *parent.parents()] if parent else []
 
     def net_connections(self, kind: str) -> list[FakeSocket]:
-        return [self.table.listener(self.pid)] if self.pid in self.table.listening else []
+        held = [self.table.listener(self.pid)] if self.pid in self.table.listening else []
+        return held + [
+            FakeSocket(
+                self.pid,
+                FakePsutil.CONN_ESTABLISHED,
+                FakeAddress("127.0.0.1", 40000),
+                FakeAddress(ip, port),
+            )
+            for ip, port in sorted(self.connected_to)
+        ]
 
 
 class FakePsutil:
@@ -107,6 +123,7 @@ class FakePsutil:
 
     STATUS_ZOMBIE = "zombie"
     CONN_LISTEN = "LISTEN"
+    CONN_ESTABLISHED = "ESTABLISHED"
 
     def __init__(self, port: int = SERVER_PORT) -> None:
         self.table: dict[int, FakeProcess] = {}

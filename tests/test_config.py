@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import logging
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -204,6 +205,8 @@ RANGES = {
     "detection.overdue_floor": (0.1, 86400.0),
     "detection.overdue_multiplier": (1.0, 100.0),
     "detection.crash_window": (0.1, 86400.0),
+    "detection.link_grace": (0.1, 86400.0),
+    "detection.remote_grace": (1.0, 86400.0),
     "probes.interval": (0.05, 3600.0),
     "probes.health_interval": (0.05, 3600.0),
     "probes.health_timeout": (0.1, 3600.0),
@@ -419,6 +422,48 @@ def test_a_receiver_beyond_loopback_needs_a_token(listen: str) -> None:
         environ={"OMNI_WATCHDOG_SPANS_OTLP_LISTEN": listen, "OMNI_WATCHDOG_OTLP_TOKEN": "t"}
     )
     assert config.otlp_token == "t"
+
+
+def test_remote_stages_need_the_token_and_come_from_env_or_flags() -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_config(environ={"OMNI_WATCHDOG_REMOTE_STAGES": "1"})
+    assert str(raised.value) == (
+        "configuration: otlp_token: required with remote_stages; set OMNI_WATCHDOG_OTLP_TOKEN"
+    )
+    config = load_config(
+        environ={"OMNI_WATCHDOG_REMOTE_STAGES": "1,2", "OMNI_WATCHDOG_OTLP_TOKEN": "t"}
+    )
+    assert config.remote_stages == [1, 2]
+    args = build_parser().parse_args(["run", "--remote-stage", "3", "--remote-stage", "4"])
+    config = load_config(environ={"OMNI_WATCHDOG_OTLP_TOKEN": "t"}, overrides=overrides_of(args))
+    assert config.remote_stages == [3, 4]
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [("1,1", "a stage is named twice"), ("-1", "expected stage ids of 0 or more")],
+)
+def test_bad_remote_stages_name_the_field(value: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=f"remote_stages: {problem}"):
+        load_config(environ={"OMNI_WATCHDOG_REMOTE_STAGES": value, "OMNI_WATCHDOG_OTLP_TOKEN": "t"})
+
+
+def test_a_headless_stage_s_watchdog_has_no_remote_stages_of_its_own() -> None:
+    args = build_parser().parse_args(["run", "--headless", "--remote-stage", "1"])
+    with pytest.raises(ConfigError, match="only the head's watchdog has remote stages"):
+        load_config(environ={"OMNI_WATCHDOG_OTLP_TOKEN": "t"}, overrides=overrides_of(args))
+    with_config = build_parser().parse_args(["run", "--headless", "--stage-config", "s.yaml"])
+    with pytest.raises(ConfigError, match="learns it from its process titles"):
+        load_config(overrides=overrides_of(with_config))
+    headless = load_config(overrides=overrides_of(build_parser().parse_args(["run", "--headless"])))
+    assert headless.headless and headless.remote_stages == []
+    assert load_config().headless is False
+
+
+def test_the_host_defaults_to_the_machine_s_name() -> None:
+    assert load_config().resolved_host() == socket.gethostname()
+    named = load_config(environ={"OMNI_WATCHDOG_HOST": "gpu-node-a"})
+    assert named.resolved_host() == "gpu-node-a"
 
 
 # ---- host:port -------------------------------------------------------------------------

@@ -54,7 +54,8 @@ def test_a_built_watchdog_renders_and_serves_before_it_starts(tmp_path: Path) ->
     assert status["stages"] == []
     assert status["topology"]["source"] == "default"
     # Before the first evaluation the one default stage is starting, nothing worse.
+    host = config.resolved_host()
     assert (
-        'omni_watchdog_stage_state{stage="0",stage_name="engine",replica="0",state="starting"} 1'
-        in body
+        f'omni_watchdog_stage_state{{stage="0",stage_name="engine",replica="0",host="{host}",'
+        'state="starting"} 1' in body
     )

@@ -1083,3 +1083,29 @@ def test_a_bad_address_is_a_usage_error(url: str) -> None:
     result = invoke(["status"], environ={URL_VARIABLE: url})
     assert result.code == EXIT_USAGE
     assert result.err.startswith(f"omni-watchdog status: {URL_VARIABLE} {url!r}:")
+
+
+def test_status_says_where_each_stage_runs_when_one_is_remote(watchdog: FakeWatchdog) -> None:
+    watchdog.status["stages"][0]["host"] = "gpu-a"
+    watchdog.status["stages"][1].update(host="gpu-b", remote=True)
+    watchdog.status["link"] = None
+    result = invoke(["status"], watchdog=watchdog, columns=200)
+    table = result.lines[5:]
+    assert cells(table[0])[:5] == ["STAGE", "REPLICA", "NAME", "HOST", "STATE"]
+    assert cells(table[1])[3] == "gpu-a"
+    assert cells(table[2])[3:5] == ["gpu-b (remote)", "stalled"]
+
+
+def test_status_of_a_headless_stage_shows_its_master_link(watchdog: FakeWatchdog) -> None:
+    watchdog.status["link"] = {
+        "address": "head.svc",
+        "port": 29500,
+        "up": False,
+        "since": NOW - 12,
+        "detail": "master head.svc:29500 refused the connection",
+    }
+    result = invoke(["status"], watchdog=watchdog)
+    assert (
+        "master    head.svc:29500  DOWN for 12s: master head.svc:29500 refused the connection"
+        in result.lines
+    )

@@ -97,8 +97,17 @@ class _StageMemory:
 class Detector:
     """Per-stage state machine over observations; pure, so tests drive it with a fake clock."""
 
-    def __init__(self, config: DetectionConfig, topology: Topology, start: float) -> None:
+    def __init__(
+        self,
+        config: DetectionConfig,
+        topology: Topology,
+        start: float,
+        remote_stages: Iterable[int] = (),
+    ) -> None:
+        """`remote_stages`: stage ids that run on other hosts (vLLM-Omni 0.30 headless
+        stages), judged from their spans and the server's /health only."""
         self._config = config
+        self._remote = frozenset(remote_stages)
         # The watchdog's, not the target's: kept across a re-attach.
         self._blind = BlindSpells()
         self.set_aside = dict.fromkeys((ObservationKind.HEALTH, ObservationKind.CANARY), 0)
@@ -134,6 +143,12 @@ class Detector:
         self._exit_reported = False
         self._unhealthy_signs: list[tuple[float, str]] = []
         self._last_progress: float | None = None
+        # A headless stage's link to its master: down since, and what the last check said.
+        self._link_down_since: float | None = None
+        self._link_detail = ""
+        # The remote stage whose missing replica has kept the server unhealthy past
+        # `remote_grace`, once judged: the head's own verdict is given once per spell.
+        self._head_judged_for: StageRef | None = None
 
     def attached(self, now: float) -> None:
         """The first server was found on the target: `startup_timeout` counts from now, and
@@ -253,6 +268,18 @@ class Detector:
             self._sign(obs.time, f"/health {self._health_detail}")
             self._health_unwell = (obs.time, self._health_detail)
 
+    def _on_link(self, obs: Observation) -> None:
+        if obs.outcome is HealthOutcome.OK:
+            # A headless stage has no /health: registered with its master is its "ready".
+            if self._first_healthy is None:
+                self._first_healthy = obs.time
+            self._link_down_since = None
+            return
+        if self._link_down_since is None:
+            self._link_down_since = obs.time
+            self._sign(obs.time, f"link to the master down: {obs.detail}")
+        self._link_detail = obs.detail
+
     def _on_canary(self, obs: Observation) -> None:
         if self._blind_during(obs):
             return
@@ -328,6 +355,7 @@ class Detector:
         ObservationKind.CANARY: _on_canary,
         ObservationKind.PROCESS: _on_process,
         ObservationKind.GPU_PROCESS: _on_gpu_process,
+        ObservationKind.LINK: _on_link,
     }
 
     # ---- queries ------------------------------------------------------------------
@@ -401,6 +429,7 @@ class Detector:
         statuses: list[StageStatus] = []
         verdicts: list[Verdict] = []
         for ref, memory in self._stages.items():
+            remote = ref.stage_id in self._remote
             evidence = list(own[ref])
             held_up = self._held_up(memory, evidence, now)
             if shared and (held_up or not self._shows_own_liveness(memory, now)):
@@ -411,16 +440,18 @@ class Detector:
             if not self._root_alive():
                 state = StageState.DEAD
                 evidence = [self._server_gone(ref)]
-            elif warm:
-                state = self._decide(memory, evidence, now, held_up)
-            else:
+            elif not warm:
                 state = StageState.STARTING
+            elif remote:
+                state = self._decide_remote(memory, evidence, now)
+            else:
+                state = self._decide(memory, evidence, now, held_up)
             if state in (StageState.STALLED, StageState.DEAD):
                 evidence.extend(self._gpu_held(ref, memory, now))
             if state is not memory.state:
                 memory.state, memory.since = state, now
                 if state in (StageState.STALLED, StageState.DEAD) and self._root_alive():
-                    verdicts.append(Verdict(ref, state, now, tuple(evidence)))
+                    verdicts.append(Verdict(ref, state, now, tuple(evidence), remote=remote))
             statuses.append(
                 StageStatus(
                     ref,
@@ -430,8 +461,10 @@ class Detector:
                     tuple(evidence),
                     memory.last_heartbeat,
                     memory.progress_changed_at,
+                    remote=remote,
                 )
             )
+        verdicts.extend(self._head_verdict(statuses, now))
         requests = {
             stage_id: StageRequests(self.in_flight(stage_id), self.overdue_count(stage_id, now))
             for stage_id in sorted({ref.stage_id for ref in self._stages})
@@ -449,16 +482,75 @@ class Detector:
                 or bool(memory.processes)
             )
             return StageState.HEALTHY if has_signal else StageState.UNKNOWN
-        confirmed = len(kinds) >= 2 or any(
-            now - e.since >= self._config.confirm_timeout
-            for e in evidence
-            if e.kind not in _CONSEQUENCES
-        )
+        if EvidenceKind.LINK_LOST in kinds:
+            # Past its own grace already: an orphan is not waited on twice.
+            return StageState.DEAD
+        confirmed = self._confirmed(evidence, now)
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
         if confirmed and (held_up or not self._progressing(memory, now)):
             return StageState.STALLED
         return StageState.DEGRADED
+
+    def _decide_remote(
+        self, memory: _StageMemory, evidence: list[Evidence], now: float
+    ) -> StageState:
+        """A stage on another host, seen only through its spans and the server's word.
+
+        Spans that stop arriving may be the network between the hosts, not the stage:
+        silence alone leaves it `unknown`. The server's failing /health, charged to it
+        because it shows no liveness while every local stage does, says it has no live
+        replica: `dead` once confirmed. Its own watchdog acts on it; this one never does.
+        """
+        kinds = {e.kind for e in evidence if e.kind not in _CONSEQUENCES}
+        beating = (
+            memory.last_heartbeat is not None
+            and now - memory.last_heartbeat <= self._config.heartbeat_timeout
+        )
+        if EvidenceKind.HEALTH_FAILED in kinds and self._confirmed(evidence, now):
+            return StageState.DEAD
+        if not beating:
+            return StageState.UNKNOWN
+        if not kinds:
+            return StageState.HEALTHY
+        if self._confirmed(evidence, now) and not self._progressing(memory, now):
+            return StageState.STALLED
+        return StageState.DEGRADED
+
+    def _confirmed(self, evidence: list[Evidence], now: float) -> bool:
+        counted = [e for e in evidence if e.kind not in _CONSEQUENCES]
+        return len({e.kind for e in counted}) >= 2 or any(
+            now - e.since >= self._config.confirm_timeout for e in counted
+        )
+
+    def _head_verdict(self, statuses: list[StageStatus], now: float) -> list[Verdict]:
+        """The head's own verdict when its server has stayed unhealthy for `remote_grace`
+        only because a remote stage has no live replica: its ladder restarts the head, as
+        for any dead stage. Once per spell; a local stage unwell is judged on its own."""
+        failing = self._health_failures >= self._config.health_failures
+        if not failing or now - self._health_failed_since < self._config.remote_grace:
+            self._head_judged_for = None
+            return []
+        unwell = (StageState.STALLED, StageState.DEAD, StageState.UNKNOWN)
+        if any(s.state in unwell and not s.remote for s in statuses):
+            return []
+        missing = [s for s in statuses if s.remote and s.state in unwell]
+        if not missing or self._head_judged_for is not None:
+            return []
+        culprit = missing[0]
+        self._head_judged_for = culprit.stage
+        failed_for = now - self._health_failed_since
+        evidence = (
+            Evidence(
+                EvidenceKind.HEALTH_FAILED,
+                culprit.stage,
+                self._health_failed_since + self._config.remote_grace,
+                f"/health {self._health_detail} for {failed_for:.1f}s while remote stage"
+                f" {culprit.stage} is {culprit.state.value} and every local stage is well:"
+                " the head is restarted",
+            ),
+        )
+        return [Verdict(culprit.stage, StageState.DEAD, now, evidence)]
 
     def _held_up(self, memory: _StageMemory, evidence: list[Evidence], now: float) -> bool:
         """The world says the stage cannot be working: one of its processes is stopped, or
@@ -581,6 +673,16 @@ class Detector:
                     )
                 )
         found.extend(self._process_evidence(ref, memory, now))
+        link_down = self._link_down_since
+        if link_down is not None and now - link_down > config.link_grace:
+            found.append(
+                Evidence(
+                    EvidenceKind.LINK_LOST,
+                    ref,
+                    link_down + config.link_grace,
+                    f"{self._link_detail} for {now - link_down:.1f}s: the stage is orphaned",
+                )
+            )
         return found
 
     def _silence(
@@ -637,6 +739,32 @@ class Detector:
                         )
                     )
                     return found
+        silent_since = memory.last_heartbeat
+        if (
+            live
+            and memory.load_at is None
+            and silent_since is not None
+            and now - silent_since > config.heartbeat_timeout
+        ):
+            # Without load gauges (a headless stage serves no /metrics) a loop that stopped
+            # beating is working only if its processes use a CPU or wait for one; a stage
+            # starved of CPU shows runnable, and one in a long step burns CPU.
+            quiet_from = max(
+                silent_since,
+                max(p.cpu_changed_at for p in live),
+                max((p.runnable_seen_at or 0.0) for p in live),
+            )
+            if now - quiet_from > config.stuck_timeout:
+                found.append(
+                    Evidence(
+                        EvidenceKind.PROCESS_STUCK,
+                        ref,
+                        quiet_from + config.stuck_timeout,
+                        f"no heartbeat and no CPU progress in any stage process for"
+                        f" {now - quiet_from:.1f}s",
+                    )
+                )
+                return found
         if live and self._load(memory, now) > 0 and memory.load_positive_since is not None:
             # Quiet CPUs alone are normal for a stage waiting on its device or its queue;
             # together with counters that do not move either, nothing is running.

@@ -5,6 +5,10 @@ one. Ages (heartbeat, evaluation) are measured at the scrape. Every series exist
 the start, zeroed, for every known stage replica, state, step, outcome, probe, rejection
 reason and evidence kind.
 
+Every series of a stage carries the `host` it runs on, so that one Prometheus shows the
+stages of every host (a vLLM-Omni 0.30 headless stage runs on another host than its head,
+and both hosts' watchdogs report it).
+
 The text is written here rather than through a prometheus_client registry: building and
 formatting its sample objects costs about 50 ms for the ~3,500 series of 64 stages and
 512 GPU pids, against a 20 ms budget for the whole scrape.
@@ -18,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from omni_watchdog import __version__
-from omni_watchdog.exporters.views import target_health
+from omni_watchdog.exporters.views import stage_host, target_health
 from omni_watchdog.serving import CLOSE_REASONS
 from omni_watchdog.stats import (
     LADDER_STEP_BUCKETS,
@@ -38,6 +42,7 @@ from omni_watchdog.types import (
     ProcessStatus,
     StageRef,
     StageState,
+    StageStatus,
     StepName,
     StepOutcome,
     Topology,
@@ -52,10 +57,33 @@ VERDICT_STATES = (StageState.STALLED, StageState.DEAD)
 CLOSED_OUTCOMES = tuple(o for o in IncidentOutcome if o is not IncidentOutcome.OPEN)
 # `processes` counts live processes, so the exited status never has any.
 LIVE_STATUSES = tuple(s for s in ProcessStatus if s is not ProcessStatus.EXITED)
+# The `host` of a stage no span has placed yet (or of a watchdog not told its own). Not "":
+# Prometheus drops an empty label, so the series would carry no host at all, an alert would
+# name none, and `by (host)` would lump it with series that never had one.
+UNKNOWN_HOST = "unknown"
+# `role` of `host_info`: a watchdog with a master link watches a headless stage.
+ROLE_SERVER = "server"
+ROLE_HEADLESS_STAGE = "headless_stage"
 
 # name (after the prefix), type and help of every family.
 FAMILIES = (
     ("build_info", "gauge", "The watchdog's version and Python version; always 1."),
+    (
+        "host_info",
+        "gauge",
+        "The host this watchdog runs on and its role (beside a server, or beside a headless"
+        " stage); always 1.",
+    ),
+    (
+        "master_link_up",
+        "gauge",
+        "Whether this headless stage's link to its master is up; only beside a headless stage.",
+    ),
+    (
+        "master_link_last_change_timestamp_seconds",
+        "gauge",
+        "Unix time the headless stage's master link last went up or down.",
+    ),
     (
         "target_up",
         "gauge",
@@ -69,6 +97,12 @@ FAMILIES = (
     ("probe_errors_total", "counter", "Runs of the probe that failed."),
     ("probe_duration_seconds", "gauge", "How long the probe's last run took."),
     ("stage_state", "gauge", "The detector's state of the stage replica, 1 for the current one."),
+    (
+        "stage_remote",
+        "gauge",
+        "1 for a stage replica on another host: judged from its spans, never signalled by"
+        " this watchdog.",
+    ),
     (
         "stage_last_progress_timestamp_seconds",
         "gauge",
@@ -93,7 +127,7 @@ FAMILIES = (
     (
         "stage_gpu_memory_bytes",
         "gauge",
-        "Device memory held by the stage replica's processes.",
+        "Device memory held by the stage replica's processes, NaN for one on another host.",
     ),
     ("spans_received_total", "counter", "Spans accepted by the OTLP receiver."),
     (
@@ -258,16 +292,18 @@ class _HistogramLines:
 
 @dataclass(frozen=True)
 class _ReplicaLines:
-    """Label text of one stage replica, and its stage_state lines, made once."""
+    """Label text of one stage replica on one host, and its stage_state lines, made once."""
 
+    host: str
     labels: str
     states: tuple[tuple[StageState, str], ...]
 
 
 @dataclass(frozen=True)
 class _StageLines:
-    """Label text of one stage, and its verdict and duration lines, made once."""
+    """Label text of one stage on one host, and its verdict and duration lines, made once."""
 
+    host: str
     labels: str
     verdicts: tuple[tuple[tuple[int, StageState, EvidenceKind], str], ...]
     durations: _HistogramLines
@@ -282,6 +318,8 @@ class MetricsExposition:
         self._clock = clock
         self._state = state
         # Label text is made once per stage: formatting it on every scrape was most of the cost.
+        # One entry per stage, remade when its host changes, so that a host named anew by
+        # each span cannot grow them.
         self._replica_lines: dict[StageRef, _ReplicaLines] = {}
         self._stage_lines: dict[int, _StageLines] = {}
         # The topology those labels were made for: a stage learned later may be renamed.
@@ -313,6 +351,7 @@ class MetricsExposition:
         now = self._clock.monotonic()
         out: list[str] = []
         self._target(out, state)
+        self._host(out, state)
         self._probes(out, state)
         self._stages(out, state, now)
         self._spans(out, state)
@@ -329,10 +368,13 @@ class MetricsExposition:
         stage = self._labelled_topology.stage(stage_id)
         return stage.name if stage else f"stage{stage_id}"
 
-    def _stage(self, stage_id: int) -> _StageLines:
+    def _stage_labels(self, stage_id: int) -> str:
+        return f'stage="{stage_id}",stage_name="{escape(self._stage_name(stage_id))}"'
+
+    def _stage(self, stage_id: int, host: str) -> _StageLines:
         lines = self._stage_lines.get(stage_id)
-        if lines is None:
-            labels = f'stage="{stage_id}",stage_name="{escape(self._stage_name(stage_id))}"'
+        if lines is None or lines.host != host:
+            labels = f'{self._stage_labels(stage_id)},host="{escape(host)}"'
             verdicts = tuple(
                 (
                     (stage_id, state, kind),
@@ -343,18 +385,20 @@ class MetricsExposition:
                 for kind in EvidenceKind
             )
             durations = _HistogramLines.of("stage_duration_seconds", labels, STAGE_DURATION_BUCKETS)
-            lines = self._stage_lines[stage_id] = _StageLines(labels, verdicts, durations)
+            lines = self._stage_lines[stage_id] = _StageLines(host, labels, verdicts, durations)
         return lines
 
-    def _replica(self, ref: StageRef) -> _ReplicaLines:
+    def _replica(self, ref: StageRef, host: str) -> _ReplicaLines:
         lines = self._replica_lines.get(ref)
-        if lines is None:
-            labels = f'{self._stage(ref.stage_id).labels},replica="{ref.replica}"'
+        if lines is None or lines.host != host:
+            labels = (
+                f'{self._stage_labels(ref.stage_id)},replica="{ref.replica}",host="{escape(host)}"'
+            )
             states = tuple(
                 (state, f'{PREFIX}stage_state{{{labels},state="{state.value}"}} ')
                 for state in StageState
             )
-            lines = self._replica_lines[ref] = _ReplicaLines(labels, states)
+            lines = self._replica_lines[ref] = _ReplicaLines(host, labels, states)
         return lines
 
     # ---- families -----------------------------------------------------------------
@@ -374,6 +418,30 @@ class MetricsExposition:
         live = int(target_health(state)[0] == 200)
         out += (_HEADERS["target_liveness"], f"{PREFIX}target_liveness {live}")
 
+    def _host(self, out: list[str], state: WatchdogState) -> None:
+        host = escape(state.host or UNKNOWN_HOST)
+        link = state.link
+        role = ROLE_SERVER if link is None else ROLE_HEADLESS_STAGE
+        out += (
+            _HEADERS["host_info"],
+            f'{PREFIX}host_info{{host="{host}",role="{role}"}} 1',
+        )
+        up: tuple[str, ...] = ()
+        changed: tuple[str, ...] = ()
+        if link is not None:
+            labels = f'address="{escape(link.address)}",port="{link.port}",host="{host}"'
+            up = (f"{PREFIX}master_link_up{{{labels}}} {int(link.up)}",)
+            changed = (
+                f"{PREFIX}master_link_last_change_timestamp_seconds{{{labels}}}"
+                f" {number(state.wall(link.since))}",
+            )
+        out += (
+            _HEADERS["master_link_up"],
+            *up,
+            _HEADERS["master_link_last_change_timestamp_seconds"],
+            *changed,
+        )
+
     def _probes(self, out: list[str], state: WatchdogState) -> None:
         rows = sorted(state.probes, key=lambda h: h.name)
         out.append(_HEADERS["probe_up"])
@@ -392,13 +460,30 @@ class MetricsExposition:
         statuses = {s.stage: s for s in report.statuses} if report is not None else {}
         # Every stage replica of the topology, and any the detector found beyond it.
         refs = sorted({*state.topology.refs(), *statuses})
+        local = state.host or UNKNOWN_HOST
+        replicas = {
+            ref: self._replica(ref, stage_host(state, statuses.get(ref)) or UNKNOWN_HOST)
+            for ref in refs
+        }
+        # A stage's own series (requests, durations, verdicts) name the host of its first
+        # replica: vLLM-Omni 0.30 runs all replicas of a headless stage on one host.
+        stages: dict[int, _StageLines] = {}
+        for ref in refs:
+            if ref.stage_id not in stages:
+                stages[ref.stage_id] = self._stage(ref.stage_id, replicas[ref].host)
 
         out.append(_HEADERS["stage_state"])
         for ref in refs:
             status = statuses.get(ref)
             # Before the first evaluation every stage is starting, as the detector begins.
             current = status.state if status is not None else StageState.STARTING
-            out += (f"{prefix}{int(each is current)}" for each, prefix in self._replica(ref).states)
+            out += (f"{prefix}{int(each is current)}" for each, prefix in replicas[ref].states)
+
+        out.append(_HEADERS["stage_remote"])
+        out += (
+            f"{PREFIX}stage_remote{{{replicas[ref].labels}}} {int(_remote(statuses.get(ref)))}"
+            for ref in refs
+        )
 
         out.append(_HEADERS["stage_last_progress_timestamp_seconds"])
         for ref in refs:
@@ -406,7 +491,7 @@ class MetricsExposition:
             progress = status.last_progress if status is not None else None
             stamp = 0.0 if progress is None else progress + wall_offset
             out.append(
-                f"{PREFIX}stage_last_progress_timestamp_seconds{{{self._replica(ref).labels}}}"
+                f"{PREFIX}stage_last_progress_timestamp_seconds{{{replicas[ref].labels}}}"
                 f" {number(stamp)}"
             )
 
@@ -416,46 +501,44 @@ class MetricsExposition:
             beat = status.last_heartbeat if status is not None else None
             age = math.nan if beat is None else now - beat
             out.append(
-                f"{PREFIX}stage_heartbeat_age_seconds{{{self._replica(ref).labels}}} {number(age)}"
+                f"{PREFIX}stage_heartbeat_age_seconds{{{replicas[ref].labels}}} {number(age)}"
             )
 
-        stage_ids = sorted({ref.stage_id for ref in refs})
         requests = report.requests if report is not None else {}
         out.append(_HEADERS["stage_requests_in_flight"])
         out += (
-            f"{PREFIX}stage_requests_in_flight{{{self._stage(s).labels}}}"
+            f"{PREFIX}stage_requests_in_flight{{{lines.labels}}}"
             f" {requests[s].in_flight if s in requests else 0}"
-            for s in stage_ids
+            for s, lines in stages.items()
         )
         out.append(_HEADERS["stage_requests_overdue"])
         out += (
-            f"{PREFIX}stage_requests_overdue{{{self._stage(s).labels}}}"
+            f"{PREFIX}stage_requests_overdue{{{lines.labels}}}"
             f" {requests[s].overdue if s in requests else 0}"
-            for s in stage_ids
+            for s, lines in stages.items()
         )
 
         out.append(_HEADERS["stage_duration_seconds"])
         durations = state.counters.stage_durations
-        for stage_id in stage_ids:
-            histogram = durations.get(stage_id, self._empty_durations)
-            self._stage(stage_id).durations.write(out, histogram)
+        for stage_id, lines in stages.items():
+            lines.durations.write(out, durations.get(stage_id, self._empty_durations))
 
         held: dict[StageRef, float] = dict.fromkeys(refs, 0.0)
         for process in state.gpu.processes if state.gpu is not None else ():
             if process.stage is not None:
                 held[process.stage] = held.get(process.stage, 0.0) + process.used_bytes
         out.append(_HEADERS["stage_gpu_memory_bytes"])
-        out += (
-            f"{PREFIX}stage_gpu_memory_bytes{{{self._replica(ref).labels}}} {number(held[ref])}"
-            for ref in sorted(held)
-        )
+        for ref in sorted(held):
+            # This host's NVML cannot see a remote stage's memory: unknown, not zero.
+            used = math.nan if _remote(statuses.get(ref)) else held[ref]
+            # A GPU pid is this host's, so a stage known only from one is a local stage.
+            replica = replicas.get(ref) or self._replica(ref, local)
+            out.append(f"{PREFIX}stage_gpu_memory_bytes{{{replica.labels}}} {number(used)}")
 
         out.append(_HEADERS["verdicts_total"])
         verdicts = state.counters.verdicts
-        for stage_id in stage_ids:
-            out += (
-                f"{prefix}{verdicts.get(key, 0)}" for key, prefix in self._stage(stage_id).verdicts
-            )
+        for lines in stages.values():
+            out += (f"{prefix}{verdicts.get(key, 0)}" for key, prefix in lines.verdicts)
 
     def _spans(self, out: list[str], state: WatchdogState) -> None:
         stats = state.receiver
@@ -483,10 +566,13 @@ class MetricsExposition:
             f" {number(math.nan if d.utilization is None else d.utilization)}"
             for d in devices
         )
+        # A pid NVML reports is on this host, whatever stage it serves.
+        host = escape(state.host or UNKNOWN_HOST)
         out.append(_HEADERS["gpu_process_memory_bytes"])
         out += (
             f'{PREFIX}gpu_process_memory_bytes{{gpu="{p.gpu}",pid="{p.pid}",'
-            f'stage="{"" if p.stage is None else p.stage.stage_id}"}} {number(p.used_bytes)}'
+            f'stage="{"" if p.stage is None else p.stage.stage_id}",host="{host}"}}'
+            f" {number(p.used_bytes)}"
             for p in (reading.processes if reading is not None else ())
         )
 
@@ -584,3 +670,7 @@ class MetricsExposition:
                 f" {closed.get(reason, 0)}"
                 for reason in CLOSE_REASONS
             )
+
+
+def _remote(status: StageStatus | None) -> bool:
+    return status is not None and status.remote

@@ -6,14 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 from omni_watchdog.policy.incidents import to_jsonable
-from omni_watchdog.types import Incident, StageState, WatchdogState
+from omni_watchdog.types import Incident, StageState, StageStatus, WatchdogState
 
 # Liveness is about progress: slow (degraded) still passes, as vLLM's own /health would.
 _LIVE_STATES = (StageState.HEALTHY, StageState.DEGRADED)
 
 
 def target_health(state: WatchdogState) -> tuple[int, str]:
-    """200 only while every stage is healthy or degraded; else 503 and the reason."""
+    """200 only while every local stage is healthy or degraded; else 503 and the reason.
+
+    A remote stage is judged, and restarted, on its own host: a liveness probe that
+    followed it would restart the head before `remote_grace`, for a stage the head cannot
+    bring back. The head's own verdict after that grace is a local matter again."""
     report = state.report
     if not state.target.up:
         if state.target.by_process:
@@ -21,7 +25,7 @@ def target_health(state: WatchdogState) -> tuple[int, str]:
         return 503, "target server does not answer /health"
     if report is None:
         return 503, "no evaluation yet"
-    bad = [s for s in report.statuses if s.state not in _LIVE_STATES]
+    bad = [s for s in report.statuses if s.state not in _LIVE_STATES and not s.remote]
     if not bad:
         return 200, "every stage is healthy or degraded"
     reasons = []
@@ -32,6 +36,13 @@ def target_health(state: WatchdogState) -> tuple[int, str]:
             + (f": {why}" if why else "")
         )
     return 503, "\n".join(reasons)
+
+
+def stage_host(state: WatchdogState, status: StageStatus | None) -> str:
+    """Where a stage replica runs: its spans' word if remote, else this host; "" if unknown."""
+    if status is not None and status.remote:
+        return status.host
+    return state.host
 
 
 def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
@@ -54,6 +65,8 @@ def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
                 "stage_id": status.stage.stage_id,
                 "replica": status.stage.replica,
                 "name": status.name,
+                "remote": status.remote,
+                "host": stage_host(state, status) or None,
                 "state": status.state.value,
                 "since": wall(status.since),
                 "evidence": [
@@ -61,7 +74,10 @@ def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
                     for e in status.evidence
                 ],
                 "pids": pids,
-                "gpu_memory_bytes": sum(gpu_by_pid.get(pid, 0) for pid in pids),
+                # This host's NVML cannot see a remote stage's memory: unknown, not zero.
+                "gpu_memory_bytes": None
+                if status.remote
+                else sum(gpu_by_pid.get(pid, 0) for pid in pids),
                 "heartbeat_age_seconds": None if heartbeat is None else now - heartbeat,
                 "last_progress": wall(status.last_progress),
                 "in_flight": requests.in_flight if requests else 0,
@@ -73,9 +89,20 @@ def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
     current = state.remediation.open_incident
     last_evaluation = state.self_health.last_evaluation
     pause = state.remediation.pause
+    link = state.link
     return {
         "now": state.wall(now),
+        "host": state.host or None,
         "mode": state.remediation.mode.value,
+        "link": None
+        if link is None
+        else {
+            "address": link.address,
+            "port": link.port,
+            "up": link.up,
+            "since": state.wall(link.since),
+            "detail": link.detail,
+        },
         "pause": None
         if pause is None
         else {"since": pause.since, "until": pause.until, "reason": pause.reason},

@@ -186,7 +186,17 @@ class Policy:
             return None
         if report.target_exit is not None:
             return self._on_exit(report.target_exit, snapshot())
-        verdicts = tuple(report.verdicts)
+        for verdict in report.verdicts:
+            if verdict.remote:
+                # Another host's watchdog acts on its own stage; this one only says so.
+                log_event(
+                    logger,
+                    "remote_stage_judged",
+                    stage=str(verdict.stage),
+                    state=verdict.state.value,
+                    evidence=[e.detail for e in verdict.evidence],
+                )
+        verdicts = tuple(v for v in report.verdicts if not v.remote)
         if not verdicts or not report.warmed_up:
             return None
         target = snapshot()
@@ -372,7 +382,11 @@ class Policy:
         stages = {v.stage for v in incident.verdicts}
         if stages and report is not None:
             bad = {
-                s.stage for s in report.statuses if s.state in (StageState.STALLED, StageState.DEAD)
+                s.stage
+                for s in report.statuses
+                if s.state in (StageState.STALLED, StageState.DEAD)
+                # A remote stage whose replica is missing may show only as unknown here.
+                or (s.remote and s.state is StageState.UNKNOWN)
             }
             if not stages & bad:
                 return "the stage recovered"

@@ -148,9 +148,13 @@ class ProcessTracker:
         start_time_of_ticks: Callable[[int], float] = process_start.start_time_of_ticks,
         server_topology: Callable[[int], Topology | None] = lambda pid: None,
         exit_notices: ExitNotices | None = None,
+        headless: bool = False,
     ) -> None:
-        if pid is None and target_port is None:
+        """`headless`: without a pid, the server is found by its `--headless` command line
+        (a vLLM-Omni 0.30 stage server on this host), not by a listening port."""
+        if pid is None and target_port is None and not headless:
             raise ValueError("ProcessTracker needs the server's pid or its port")
+        self._headless = headless
         self._psutil = process_table
         self._clock = clock
         self._own_pid = own_pid
@@ -525,6 +529,8 @@ class ProcessTracker:
                 raise ProbeError(f"pid {self._pid} is the watchdog or init, not a server")
             snapshot = self._read_pid(self._pid)
             return snapshot.identity if snapshot else None
+        if self._headless:
+            return self._find_headless_root()
         # The system-wide socket table names one holder per socket, and forked children
         # (even short-lived ones) share the server's: the root is the oldest ancestor that
         # holds a listening socket on the port too.
@@ -541,6 +547,23 @@ class ProcessTracker:
         if not roots:
             return None
         created, pid = min(roots)
+        return ProcessIdentity(pid, created)
+
+    def _find_headless_root(self) -> ProcessIdentity | None:
+        """The oldest process whose command line starts a headless stage server (its
+        children inherit the command line in a fork, so the oldest is the root)."""
+        found = []
+        for process in self._psutil.process_iter(["pid"]):
+            if process.pid in (self._own_pid, 1):
+                continue
+            try:
+                if is_headless_stage_server(process.cmdline()):
+                    found.append((self._start_time(process.pid), process.pid))
+            except self._psutil.Error:
+                continue
+        if not found:
+            return None
+        created, pid = min(found)
         return ProcessIdentity(pid, created)
 
     def _listener_pids(self) -> set[int]:
@@ -657,7 +680,17 @@ class ProcessTracker:
     def _not_found_reason(self) -> str:
         if self._pid is not None:
             return f"no process with pid {self._pid}"
+        if self._headless:
+            return "no headless stage server (a command line with --headless and --stage-id)"
         return f"no process listens on port {self._port}"
+
+
+def is_headless_stage_server(argv: Sequence[str]) -> bool:
+    """A command line that starts a vLLM-Omni 0.30 stage without its API (`vllm serve …
+    --omni --stage-id N --headless`, or the simulator's imitation of it)."""
+    return "--headless" in argv and any(
+        part == "--stage-id" or part.startswith("--stage-id=") for part in argv
+    )
 
 
 def _titled_stage(title: str) -> StageRef | None:

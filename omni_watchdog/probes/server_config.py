@@ -62,11 +62,25 @@ class ServerConfigReader:
         self._proc = proc
 
     def read(self, pid: int) -> Topology | None:
-        """The server's stage config as a topology (SERVER_CONFIG origin), or None."""
+        """The server's stage config as a topology (SERVER_CONFIG origin), or None. A
+        headless stage server (`--headless --stage-id N`) runs stage N only: the other
+        stages of its config run on other hosts and are not its watchdog's."""
         try:
             argv = self._read(pid, "cmdline").decode(errors="replace").split("\0")
         except OSError:
             return None
+        topology = self._read_topology(pid, argv)
+        stage_id = flag_value(argv, ("--stage-id",))
+        if topology is None or "--headless" not in argv or stage_id is None:
+            return topology
+        own = tuple(stage for stage in topology.stages if str(stage.stage_id) == stage_id)
+        if not own:
+            return None
+        # Its neighbours are elsewhere: edges to them name nothing this host runs.
+        alone = replace(own[0], upstream=(), downstream=())
+        return replace(topology, stages=(alone,))
+
+    def _read_topology(self, pid: int, argv: Sequence[str]) -> Topology | None:
         named = flag_value(argv, CONFIG_FLAGS)
         if named is not None:
             return self._load(pid, named, f"cmdline:{named}")

@@ -51,6 +51,7 @@ from omni_watchdog.semconv import (
     EXCEPTION_MESSAGE,
     GEN_AI_REQUEST_ID,
     HEARTBEAT_SPAN,
+    HOST_NAME,
     REQUEST_ABANDONED_SPAN,
     REQUEST_ADMITTED_SPAN,
     REQUEST_FINISHED_SPAN,
@@ -135,6 +136,10 @@ SENDER_GRACE_SECONDS = 2.0
 MAX_WAITING_SPANS = 10_000
 
 
+# A host name as a label value: longer ones are cut (DNS names are at most 253 bytes).
+MAX_HOST_NAME = 253
+
+
 class _Trust(enum.Enum):
     """How far the process behind one resource of an export may be believed."""
 
@@ -142,6 +147,7 @@ class _Trust(enum.Enum):
     UNRECORDED = "unrecorded"  # names itself by pid and start, but is not recorded (yet)
     ANONYMOUS = "anonymous"  # no start time: vLLM's own spans, or a client of its own
     FOREIGN = "foreign"  # another host or another boot
+    REMOTE = "remote"  # a remote stage's process, on another host, known by the token
 
 
 @dataclass
@@ -461,7 +467,15 @@ class SpanReceiver:
         token: str = "",
         boot_id: str = "",
         sender_grace: float = SENDER_GRACE_SECONDS,
+        remote_stages: frozenset[int] = frozenset(),
     ) -> None:
+        """`remote_stages`: stage ids on other hosts, whose spans come from processes this
+        host cannot check; they are taken only with the token, and only for those stages."""
+        if remote_stages and not token:
+            raise ValueError("spans of remote stages need the receiver's token")
+        self._remote = remote_stages
+        # The host each remote stage's spans last named (`host.name`), by stage id.
+        self.remote_hosts: dict[int, str] = {}
         self._config = config
         self._clock = clock
         self.store = store
@@ -669,7 +683,12 @@ class SpanReceiver:
                         checked = stage
                         checked_known = stage is None or _asked(senders.knows, stage, known)
                         checked_mapped = stage is not None and _asked(senders.maps, stage, mapped)
-                    if not checked_known:
+                    if trust is _Trust.REMOTE:
+                        if stage is None or stage.stage_id not in self._remote:
+                            # A remote sender speaks for its remote stage, never a local one.
+                            self._rejected["unknown_sender"] += 1
+                            continue
+                    elif not checked_known:
                         self._rejected["unknown_stage"] += 1
                         continue
                     if trust is _Trust.ANONYMOUS and (
@@ -721,14 +740,29 @@ class SpanReceiver:
             if trust is _Trust.UNRECORDED and counted:
                 self._wait(now, resource, counted, gathered, _compacted(kept))
             elif counted:
-                self._file(resource, counted, _compacted(kept, self.store.ring_size))
+                remote = trust is _Trust.REMOTE
+                if remote and resource_stage is not None:
+                    self._note_host(resource_stage.stage_id, resource)
+                self._file(
+                    resource, counted, _compacted(kept, self.store.ring_size), learn=not remote
+                )
         return well_formed, malformed
 
+    def _note_host(self, stage_id: int, resource: ResourceInfo) -> None:
+        host = str(resource.attributes.get(HOST_NAME, ""))[:MAX_HOST_NAME]
+        if host.isprintable():
+            self.remote_hosts[stage_id] = host
+
     def _file(
-        self, resource: ResourceInfo, count: int, kept: list[tuple[StageRef | None, bytes]]
+        self,
+        resource: ResourceInfo,
+        count: int,
+        kept: list[tuple[StageRef | None, bytes]],
+        learn: bool = True,
     ) -> None:
         """File one resource's spans (`count` of them, `kept` the ones the rings will hold),
-        and learn its pid's stage: its sender is the target's."""
+        and, when `learn`, its pid's stage: its sender is the target's (a remote sender's
+        pid is another host's and names nothing here)."""
         self._accepted += count
         store = self.store
         filed_stage: StageRef | None = None
@@ -737,7 +771,7 @@ class SpanReceiver:
             if stage is not filed_stage:
                 filed_stage, ring = stage, store.ring(stage)
             ring.append((data, resource, stage))
-        if resource.pid is not None and resource.stage is not None:
+        if learn and resource.pid is not None and resource.stage is not None:
             store.learn_pid(resource.pid, resource.stage, resource.process_kind)
 
     def _wait(
@@ -802,6 +836,9 @@ class SpanReceiver:
         return resource, self._trust(resource)
 
     def _trust(self, resource: ResourceInfo) -> _Trust:
+        # Only an export that carried the token reaches here when one is configured.
+        if resource.stage is not None and resource.stage.stage_id in self._remote:
+            return _Trust.REMOTE
         if resource.boot_id and self._boot_id and resource.boot_id != self._boot_id:
             return _Trust.FOREIGN
         if self._senders.owns(resource.pid, resource.start_ticks):

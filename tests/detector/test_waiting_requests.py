@@ -160,7 +160,8 @@ STALLS = [
     (
         "its loop deadlocked after one step: silent, counters flat",
         Talker(beats=False, steps_at=(0.5,)),
-        {EvidenceKind.HEARTBEAT_LOST, EvidenceKind.SPAN_OVERDUE},
+        # 0.30 shows no load gauges: a silent loop whose processes use no CPU is stuck.
+        {EvidenceKind.HEARTBEAT_LOST, EvidenceKind.SPAN_OVERDUE, EvidenceKind.PROCESS_STUCK},
     ),
     (
         "its engine stopped (T) while its loop beats on",

@@ -821,3 +821,25 @@ def test_without_the_pid_namespace_the_admin_endpoint_is_the_only_lever(
     assert "not visible from here" in verify.detail
     assert "released" not in incident.timeline, "no memory was seen coming back"
     assert fake_psutil.signals == []
+
+
+def test_a_remote_stage_s_verdict_is_never_acted_on(
+    tmp_path: Path, fake_psutil: FakePsutil, policy_events: Any
+) -> None:
+    """Another host's watchdog acts on its own stage: this one logs it and opens nothing,
+    whatever its mode, and signals nothing."""
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    remote = dataclasses.replace(VERDICT, remote=True)
+
+    async def scenario() -> asyncio.Task[Incident] | None:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            task = policy.on_report(report(verdicts=(remote,)), rig.snapshot)
+            assert policy.incidents() == []
+            return task
+
+    assert asyncio.run(scenario()) is None
+    assert fake_psutil.signals == []
+    (event,) = policy_events.named("remote_stage_judged")
+    assert event["stage"] == "1.0" and event["state"] == "dead"

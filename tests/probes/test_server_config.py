@@ -182,3 +182,24 @@ def test_flag_values(argv: list[str], value: str | None) -> None:
 )
 def test_the_served_model(argv: list[str], model: str | None) -> None:
     assert model_argument(argv) == model
+
+
+@pytest.mark.parametrize(
+    ("stage_id", "names"),
+    [("1", ["talker"]), ("2", ["code2wav"]), ("7", None)],
+)
+def test_a_headless_stage_server_runs_only_the_stage_it_names(
+    proc: FakeProc, stage_id: str, names: list[str] | None
+) -> None:
+    """The other stages of its config run on other hosts: they are not its watchdog's."""
+    proc.put("/srv/stages.yaml", EXAMPLE.read_text())
+    proc.set_argv(
+        "vllm", "serve", "m", "--omni", "--stage-configs-path", "/srv/stages.yaml",
+        "--stage-id", stage_id, "--headless", "--omni-master-address", "10.0.0.1",
+    )  # fmt: skip
+    found = read(proc)
+    assert (found[1] if found else None) == names
+    topology = ServerConfigReader(proc.base).read(PID)
+    if topology is not None:
+        (stage,) = topology.stages
+        assert stage.upstream == () and stage.downstream == ()

@@ -81,6 +81,20 @@ class Faults:
 OmniServer = tuple[VllmServer, Faults]
 
 
+def omni_serve(model: Path, deploy_file: Path, *flags: str) -> list[str]:
+    """`vllm serve MODEL --omni --deploy-config FILE` of the vLLM-Omni environment, then
+    `flags`."""
+    return [
+        str(OMNI_VLLM),
+        "serve",
+        str(model),
+        "--omni",
+        "--deploy-config",
+        str(deploy_file),
+        *flags,
+    ]
+
+
 def start_omni_server(
     model: Path,
     workdir: Path,
@@ -92,20 +106,16 @@ def start_omni_server(
     port, otlp_port = free_port(), free_port()
     faults = Faults(workdir / "faults")
     faults.directory.mkdir(parents=True, exist_ok=True)
-    argv = [
-        str(OMNI_VLLM),
-        "serve",
-        str(model),
-        "--omni",
-        "--deploy-config",
-        str(deploy_file),
+    argv = omni_serve(
+        model,
+        deploy_file,
         "--served-model-name",
         MODEL_NAME,
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
-    ]
+    )
     server = VllmServer.spawn(
         argv,
         workdir,

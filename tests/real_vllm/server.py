@@ -57,12 +57,43 @@ REAL_FAST = merge_layers(
 )
 
 
-@dataclass
-class VllmServer:
-    """A `vllm serve` this test process started, in its own session and process group."""
+def launch(
+    argv: list[str], workdir: Path, env: Mapping[str, str]
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Start a vLLM command in a session of its own, logging to `workdir`, with caches of
+    its own and the plugin's settings (the admin token, a fast heartbeat) under `env`:
+    the process, its log and its scratch dir."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="vllm-"))
+    child_env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache"),
+        "TMPDIR": str(scratch),
+        "OMNI_WATCHDOG_ADMIN_TOKEN": ADMIN_TOKEN,
+        "OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5",
+        **env,
+    }
+    log_path = workdir / "vllm.log"
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            cwd=workdir,
+            start_new_session=True,
+        )
+    return process, log_path, scratch
 
-    port: int
-    otlp_port: int
+
+@dataclass(kw_only=True)
+class StartedTree:
+    """A process this test process started, in its own session and process group, and
+    every process of its tree: only these are ever signalled."""
+
     process: subprocess.Popen[bytes]
     log_path: Path
     # vLLM puts ZMQ sockets under TMPDIR, and a socket path must stay under 108 bytes: a
@@ -70,6 +101,62 @@ class VllmServer:
     scratch: Path
     # Every process of its tree ever seen, by pid and start time, for the clean-up.
     seen: dict[int, float] = field(default_factory=dict)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def tree(self) -> list[psutil.Process]:
+        """The root and its live descendants, each remembered for the clean-up."""
+        try:
+            root = psutil.Process(self.process.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                self.seen.setdefault(process.pid, start_time(process.pid))
+        return processes
+
+    def titled(self, title: str) -> psutil.Process:
+        """The one process of the tree whose title (setproctitle) starts with `title`."""
+        found = [p for p in self.tree() if _title(p).startswith(title)]
+        assert len(found) == 1, f"{title}: {[(p.pid, _title(p)) for p in self.tree()]}"
+        return found[0]
+
+    def leftovers(self) -> list[int]:
+        """Processes of this tree that still run, however far they escaped."""
+        alive = []
+        for pid, started in self.seen.items():
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(pid)
+                if start_time(pid) == started and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+        return alive
+
+    def signal(self, process: psutil.Process, signum: signal.Signals) -> None:
+        """Send `signum` to a process of this tree, and to nothing else."""
+        assert process.pid in self.seen and start_time(process.pid) == self.seen[process.pid]
+        process.send_signal(signum)
+
+    def stop(self) -> None:
+        """Kill the tree's group, then any recorded process that left it."""
+        self.tree()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in self.leftovers():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+@dataclass(kw_only=True)
+class VllmServer(StartedTree):
+    """A `vllm serve` this test process started, in its own session and process group."""
+
+    port: int
+    otlp_port: int
 
     @classmethod
     def start(cls, model: Path, workdir: Path, env: Mapping[str, str] | None = None) -> VllmServer:
@@ -116,71 +203,18 @@ class VllmServer:
     ) -> VllmServer:
         """Start `argv` (a server on `port`, exporting spans to `otlp_port`) in its own
         session, with the plugin's settings and caches of its own under `workdir`."""
-        workdir.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix="vllm-"))
-        child_env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
-            "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache"),
-            "TMPDIR": str(scratch),
-            "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}/v1/traces",
-            "OMNI_WATCHDOG_ADMIN_TOKEN": ADMIN_TOKEN,
-            "OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5",
-            **env,
-        }
-        log_path = workdir / "vllm.log"
-        with log_path.open("ab") as log:
-            process = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=child_env,
-                cwd=workdir,
-                start_new_session=True,
-            )
-        return cls(port, otlp_port, process, log_path, scratch)
+        process, log_path, scratch = launch(
+            argv,
+            workdir,
+            {"OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}/v1/traces", **env},
+        )
+        return cls(
+            port=port, otlp_port=otlp_port, process=process, log_path=log_path, scratch=scratch
+        )
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def tree(self) -> list[psutil.Process]:
-        """The server and its live descendants, each remembered for the clean-up."""
-        try:
-            root = psutil.Process(self.process.pid)
-            processes = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-        for process in processes:
-            with contextlib.suppress(psutil.Error):
-                self.seen.setdefault(process.pid, start_time(process.pid))
-        return processes
-
-    def titled(self, title: str) -> psutil.Process:
-        """The one process of the tree whose title (setproctitle) starts with `title`."""
-        found = [p for p in self.tree() if _title(p).startswith(title)]
-        assert len(found) == 1, f"{title}: {[(p.pid, _title(p)) for p in self.tree()]}"
-        return found[0]
-
-    def leftovers(self) -> list[int]:
-        """Processes of this server's tree that still run, however far they escaped."""
-        alive = []
-        for pid, started in self.seen.items():
-            with contextlib.suppress(psutil.Error):
-                process = psutil.Process(pid)
-                if start_time(pid) == started and process.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-        return alive
-
-    def signal(self, process: psutil.Process, signum: signal.Signals) -> None:
-        """Send `signum` to a process of this server's tree, and to nothing else."""
-        assert process.pid in self.seen and start_time(process.pid) == self.seen[process.pid]
-        process.send_signal(signum)
 
     async def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Until /health answers 200; fails at once, with the log, if the server exits."""
@@ -198,18 +232,6 @@ class VllmServer:
                             return
                 await asyncio.sleep(0.5)
         pytest.fail(f"vllm not ready in {timeout:g}s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        """Kill the server's group, then any recorded process that left it."""
-        self.tree()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        for pid in self.leftovers():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=10)
-        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def installed_python(stamp: Path, python: Path, what: str) -> Path:

@@ -1,0 +1,179 @@
+"""The link probe: a headless stage's link to its master, the head's coordinator.
+
+A vLLM-Omni 0.30 stage started with `--headless --omni-master-address A
+--omni-master-port P` serves a head on another host. When the head is gone the stage is
+orphaned: vLLM-Omni never ends it and never registers it again, so nothing will send it
+work, and it holds its GPUs until someone ends it. The link is up while the master's port
+accepts a connection and a process of the stage's tree holds an established connection to
+the master's host (the stage is still registered there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
+
+from omni_watchdog.types import (
+    Clock,
+    HealthOutcome,
+    MasterLink,
+    Observation,
+    ObservationKind,
+    ProcessInfo,
+    ProcessTable,
+)
+
+# Where the instrument plugin (and any OTLP exporter) sends spans from the stage's processes.
+SPAN_ENDPOINT_VARIABLES = (
+    "OMNI_WATCHDOG_OTLP_ENDPOINT",
+    "OMNI_WATCHDOG_HEAD_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+)
+MASTER_ADDRESS_FLAG = "--omni-master-address"
+MASTER_PORT_FLAG = "--omni-master-port"
+
+
+def master_of(argv: Sequence[str]) -> tuple[str, int] | None:
+    """The master's (address, port) from a headless stage's command line, or None."""
+    values: dict[str, str] = {}
+    for index, part in enumerate(argv):
+        for flag in (MASTER_ADDRESS_FLAG, MASTER_PORT_FLAG):
+            if part == flag and index + 1 < len(argv):
+                values[flag] = argv[index + 1]
+            elif part.startswith(flag + "="):
+                values[flag] = part.partition("=")[2]
+    address, port = values.get(MASTER_ADDRESS_FLAG), values.get(MASTER_PORT_FLAG)
+    if not address or port is None or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return address, int(port)
+
+
+class MasterLinkProbe:
+    """Checks the link of the recorded headless stage to the master its command line names."""
+
+    name = "link"
+
+    def __init__(
+        self,
+        process_table: ProcessTable,
+        clock: Clock,
+        root: Callable[[], ProcessInfo | None],
+        processes: Callable[[], Sequence[ProcessInfo]],
+        timeout: float,
+    ) -> None:
+        """`root()` is the stage server's recorded root process, `processes()` its live
+        recorded tree; `timeout` bounds the connection attempt."""
+        self._psutil = process_table
+        self._clock = clock
+        self._root = root
+        self._processes = processes
+        self._timeout = timeout
+        self.master: tuple[str, int] | None = None
+        self._last: MasterLink | None = None
+
+    async def collect(self) -> Sequence[Observation]:
+        root = self._root()
+        if root is None:
+            return []
+        master = master_of(root.title.split())
+        if master is None:
+            self.master = None
+            return [self._link(HealthOutcome.ERROR, f"no {MASTER_ADDRESS_FLAG}/{MASTER_PORT_FLAG}")]
+        self.master = address, port = master
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                address, port, type=socket.SOCK_STREAM
+            )
+        except OSError as error:
+            return [self._link(HealthOutcome.ERROR, f"cannot resolve {address}: {error}")]
+        ips = {str(info[4][0]) for info in infos}
+        outcome, reason = await self._reach(address, port)
+        if outcome is not HealthOutcome.OK:
+            return [self._link(outcome, f"master {address}:{port} {reason}")]
+        holders = await asyncio.to_thread(self._connected, root.pid, ips)
+        if not holders:
+            return [
+                self._link(
+                    HealthOutcome.UNHEALTHY,
+                    f"master {address}:{port} reachable, but no stage process is connected to"
+                    " its host: the stage is not registered",
+                )
+            ]
+        return [
+            self._link(HealthOutcome.OK, f"connected to {address}:{port} from pid {holders[0]}")
+        ]
+
+    async def _reach(self, address: str, port: int) -> tuple[HealthOutcome, str]:
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(address, port), self._timeout
+            )
+        except asyncio.TimeoutError:
+            return HealthOutcome.TIMEOUT, f"did not answer in {self._timeout:g}s"
+        except ConnectionRefusedError:
+            return HealthOutcome.REFUSED, "refused the connection"
+        except OSError as error:
+            return HealthOutcome.ERROR, f"unreachable ({error.strerror or error})"
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return HealthOutcome.OK, ""
+
+    def _connected(self, root_pid: int, ips: set[str]) -> list[int]:
+        """Pids of the stage's processes with an established connection to the master's
+        host, other than to a span receiver.
+
+        vLLM-Omni 0.30 registers over a short-lived connection to the master port; a
+        registered engine core then stays connected to the head's coordinator and to its
+        input and output sockets, on ports the head picks. Its spans may go to the head's
+        watchdog on the same host: those connections say nothing of the registration.
+        """
+        telemetry = self._span_ports(root_pid)
+        holders = []
+        for info in self._processes():
+            try:
+                connections = self._psutil.Process(info.pid).net_connections(kind="tcp")
+            except self._psutil.Error:
+                continue
+            for connection in connections:
+                remote = connection.raddr
+                if (
+                    connection.status == self._psutil.CONN_ESTABLISHED
+                    and remote
+                    and remote.ip in ips
+                    and remote.port not in telemetry
+                ):
+                    holders.append(info.pid)
+                    break
+        return holders
+
+    def _span_ports(self, root_pid: int) -> set[int]:
+        """Ports of the span receivers the stage's environment names."""
+        try:
+            environ = self._psutil.Process(root_pid).environ()
+        except self._psutil.Error:
+            return set()
+        ports = set()
+        for variable in SPAN_ENDPOINT_VARIABLES:
+            with contextlib.suppress(ValueError):
+                url = urlsplit(environ.get(variable, "").strip())
+                if url.hostname:
+                    ports.add(url.port or (443 if url.scheme == "https" else 80))
+        return ports
+
+    def state(self) -> MasterLink | None:
+        """The link as last checked; None before the stage server was found."""
+        return self._last
+
+    def _link(self, outcome: HealthOutcome, detail: str) -> Observation:
+        now = self._clock.monotonic()
+        up = outcome is HealthOutcome.OK
+        last = self._last
+        since = last.since if last is not None and last.up == up else now
+        address, port = self.master or ("", 0)
+        self._last = MasterLink(address, port, up, since, detail)
+        return Observation(ObservationKind.LINK, now, outcome=outcome, detail=detail)
