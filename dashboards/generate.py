@@ -15,9 +15,11 @@ from typing import Any
 
 OUTPUT = Path(__file__).resolve().with_name("omni-watchdog.json")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-# Every query is narrowed to the chosen watchdogs; stage queries to the chosen stages too.
+# Every query is narrowed to the chosen watchdogs; stage queries to the chosen hosts (where
+# the stages run) and stages too.
 INSTANCE = 'instance=~"$instance"'
-STAGE = 'instance=~"$instance", stage=~"$stage"'
+HOST = 'instance=~"$instance", host=~"$host"'
+STAGE = 'instance=~"$instance", host=~"$host", stage=~"$stage"'
 WIDTH = 24
 
 # The detector's states in the order of a stage's life, with the colour each is drawn in.
@@ -156,7 +158,9 @@ def stage_state_expression() -> str:
         f'omni_watchdog_stage_state{{{STAGE}, state="{state}"}} * {number}'
         for number, (state, _) in enumerate(STATES, start=1)
     ]
-    return "max by (instance, stage, stage_name, replica) (\n  " + "\n  or ".join(parts) + "\n)"
+    return (
+        "max by (instance, host, stage, stage_name, replica) (\n  " + "\n  or ".join(parts) + "\n)"
+    )
 
 
 def state_timeline() -> dict[str, Any]:
@@ -167,10 +171,15 @@ def state_timeline() -> dict[str, Any]:
     return {
         "type": "state-timeline",
         "title": "Stage state",
-        "description": "The detector's state of each stage replica over time.",
+        "description": "The detector's state of each stage replica over time, by the host it"
+        " runs on and the watchdog that judged it: a stage on another host shows twice, as"
+        " the head's watchdog sees it from its spans and as the one beside it does.",
         "datasource": DATASOURCE,
         "targets": [
-            target(stage_state_expression(), "{{stage}}.{{replica}} {{stage_name}} {{instance}}")
+            target(
+                stage_state_expression(),
+                "{{stage}}.{{replica}} {{stage_name}} on {{host}} ({{instance}})",
+            )
         ],
         "fieldConfig": {
             "defaults": {
@@ -325,6 +334,104 @@ def overview(layout: Layout) -> None:
     )
 
 
+def hosts_table() -> dict[str, Any]:
+    """One row per watchdog and host its stages run on: the watchdog's role, how many
+    stage replicas, whether they are remote to it, and a headless stage's master link."""
+    # The watchdog's role joined onto each of its stage series; every query keeps the same
+    # labels, so that the rows merge into one.
+    with_role = (
+        f"omni_watchdog_stage_remote{{{HOST}}}"
+        " * on (instance, job) group_left (role) omni_watchdog_host_info"
+    )
+    link = (
+        f"omni_watchdog_master_link_up{{{INSTANCE}}}"
+        " * on (instance, job) group_left (role) omni_watchdog_host_info"
+    )
+    by = "by (instance, host, role)"
+    targets = [
+        dict(target(f"count {by} ({with_role})", "", "A"), format="table", instant=True),
+        dict(target(f"max {by} ({with_role})", "", "B"), format="table", instant=True),
+        dict(target(f"max {by} ({link})", "", "C"), format="table", instant=True),
+    ]
+    columns = {
+        "instance": "Watchdog",
+        "host": "Host",
+        "role": "Role",
+        "Value #A": "Stages",
+        "Value #B": "Remote",
+        "Value #C": "Master link",
+    }
+
+    def mapped(column: str, mapping: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "matcher": {"id": "byName", "options": column},
+            "properties": [
+                {"id": "mappings", "value": [mapping]},
+                {"id": "custom.cellOptions", "value": {"type": "color-text"}},
+            ],
+        }
+
+    return {
+        "type": "table",
+        "title": "Hosts",
+        "description": "Each watchdog (`instance`) and each host its stages run on: its role"
+        " (beside a server, or beside a headless stage), how many stage replicas, whether"
+        " they are remote to it (judged from their spans, never signalled: the watchdog on"
+        " that host acts on them), and a headless stage's link to its master.",
+        "datasource": DATASOURCE,
+        "targets": targets,
+        "transformations": [
+            {"id": "merge", "options": {}},
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {"Time": True},
+                    "indexByName": {name: index for index, name in enumerate(columns)},
+                    "renameByName": columns,
+                },
+            },
+        ],
+        "fieldConfig": {
+            "defaults": {"custom": {"align": "auto"}},
+            "overrides": [
+                # Neither is wrong: a remote stage is only somebody else's to act on.
+                mapped(
+                    "Remote",
+                    {
+                        "type": "value",
+                        "options": {
+                            "0": {"text": "local", "color": "green", "index": 0},
+                            "1": {"text": "remote", "color": "blue", "index": 1},
+                        },
+                    },
+                ),
+                mapped("Master link", yes_no("down", "up")),
+            ],
+        },
+        "options": {"showHeader": True, "sortBy": [{"displayName": "Host", "desc": False}]},
+    }
+
+
+def hosts(layout: Layout) -> None:
+    layout.row("Hosts")
+    layout.add(hosts_table(), 16, 8)
+    layout.add(
+        timeseries(
+            "Master links",
+            "Whether each headless stage's link to its master is up (1); its watchdog ends"
+            " the stage once the link has been down for the link grace.",
+            [
+                target(
+                    f"omni_watchdog_master_link_up{{{INSTANCE}}}",
+                    "{{host}} to {{address}}:{{port}}",
+                )
+            ],
+        ),
+        8,
+        8,
+    )
+
+
 def stages(layout: Layout) -> None:
     layout.row("Stages")
     layout.add(state_timeline(), WIDTH, 8)
@@ -334,14 +441,15 @@ def stages(layout: Layout) -> None:
             "Admitted requests waiting for each stage's span, and those past their deadline.",
             [
                 target(
-                    "sum by (stage, stage_name)"
+                    "sum by (host, stage, stage_name)"
                     f" (omni_watchdog_stage_requests_in_flight{{{STAGE}}})",
-                    "in flight {{stage}} {{stage_name}}",
+                    "in flight {{stage}} {{stage_name}} on {{host}}",
                     "A",
                 ),
                 target(
-                    f"sum by (stage, stage_name) (omni_watchdog_stage_requests_overdue{{{STAGE}}})",
-                    "overdue {{stage}} {{stage_name}}",
+                    "sum by (host, stage, stage_name)"
+                    f" (omni_watchdog_stage_requests_overdue{{{STAGE}}})",
+                    "overdue {{stage}} {{stage_name}} on {{host}}",
                     "B",
                 ),
             ],
@@ -355,8 +463,8 @@ def stages(layout: Layout) -> None:
             "p50 and p99 of each stage's span durations.",
             quantiles(
                 "omni_watchdog_stage_duration_seconds",
-                "stage, stage_name",
-                "{{stage}} {{stage_name}}",
+                "host, stage, stage_name",
+                "{{stage}} {{stage_name}} on {{host}}",
                 STAGE,
             ),
             unit="s",
@@ -371,7 +479,7 @@ def stages(layout: Layout) -> None:
             [
                 target(
                     f"omni_watchdog_stage_heartbeat_age_seconds{{{STAGE}}}",
-                    "{{stage}}.{{replica}} {{stage_name}}",
+                    "{{stage}}.{{replica}} {{stage_name}} on {{host}} ({{instance}})",
                 )
             ],
             unit="s",
@@ -387,7 +495,7 @@ def stages(layout: Layout) -> None:
                 target(
                     "time() - (omni_watchdog_stage_last_progress_timestamp_seconds"
                     f"{{{STAGE}}} > 0)",
-                    "{{stage}}.{{replica}} {{stage_name}}",
+                    "{{stage}}.{{replica}} {{stage_name}} on {{host}} ({{instance}})",
                 )
             ],
             unit="s",
@@ -398,11 +506,12 @@ def stages(layout: Layout) -> None:
     layout.add(
         timeseries(
             "GPU memory per stage",
-            "Device memory held by each stage replica's processes.",
+            "Device memory held by each stage replica's processes, as the watchdog on its"
+            " host sees it (the head's watchdog cannot see a remote stage's).",
             [
                 target(
                     f"omni_watchdog_stage_gpu_memory_bytes{{{STAGE}}}",
-                    "{{stage}}.{{replica}} {{stage_name}}",
+                    "{{stage}}.{{replica}} {{stage_name}} on {{host}}",
                 )
             ],
             unit="bytes",
@@ -416,9 +525,9 @@ def stages(layout: Layout) -> None:
             "Stalled and dead verdicts in each interval, once per kind of evidence carried.",
             [
                 target(
-                    "sum by (stage, state, evidence) (increase(omni_watchdog_verdicts_total"
+                    "sum by (host, stage, state, evidence) (increase(omni_watchdog_verdicts_total"
                     f"{{{STAGE}}}[$__rate_interval])) > 0",
-                    "{{stage}} {{state}} {{evidence}}",
+                    "{{stage}} on {{host}} {{state}} {{evidence}}",
                 )
             ],
             bars=True,
@@ -768,7 +877,7 @@ def variable(name: str, label: str, query: str) -> dict[str, Any]:
 def build_dashboard() -> dict[str, Any]:
     """The whole dashboard as Grafana's JSON model."""
     layout = Layout()
-    for section in (overview, stages, gpus, remediation, watchdog):
+    for section in (overview, hosts, stages, gpus, remediation, watchdog):
         section(layout)
     return {
         "uid": "omni-watchdog",
@@ -802,9 +911,15 @@ def build_dashboard() -> dict[str, Any]:
                 },
                 variable("instance", "Watchdog", "label_values(omni_watchdog_target_up, instance)"),
                 variable(
+                    "host",
+                    "Host",
+                    'label_values(omni_watchdog_stage_state{instance=~"$instance"}, host)',
+                ),
+                variable(
                     "stage",
                     "Stage",
-                    'label_values(omni_watchdog_stage_state{instance=~"$instance"}, stage)',
+                    "label_values(omni_watchdog_stage_state"
+                    '{instance=~"$instance", host=~"$host"}, stage)',
                 ),
             ]
         },

@@ -43,12 +43,16 @@ ALERTS = (
     "OmniWatchdogStateWriteErrors",
     "OmniWatchdogLockConflict",
     "OmniWatchdogSpansRejected",
+    "OmniStageMasterLinkLost",
 )
 
 # The exporter's families and their types: the contract between the exporter, the alerts
 # and the dashboard.
 EXPORTER_FAMILIES = {
     "omni_watchdog_build_info": "gauge",
+    "omni_watchdog_host_info": "gauge",
+    "omni_watchdog_master_link_up": "gauge",
+    "omni_watchdog_master_link_last_change_timestamp_seconds": "gauge",
     "omni_watchdog_target_up": "gauge",
     "omni_watchdog_target_warmed_up": "gauge",
     "omni_watchdog_target_health_status": "gauge",
@@ -57,6 +61,7 @@ EXPORTER_FAMILIES = {
     "omni_watchdog_probe_errors_total": "counter",
     "omni_watchdog_probe_duration_seconds": "gauge",
     "omni_watchdog_stage_state": "gauge",
+    "omni_watchdog_stage_remote": "gauge",
     "omni_watchdog_stage_last_progress_timestamp_seconds": "gauge",
     "omni_watchdog_stage_heartbeat_age_seconds": "gauge",
     "omni_watchdog_stage_requests_in_flight": "gauge",
@@ -244,6 +249,29 @@ def test_every_alert_has_a_complete_runbook_section(alert: str) -> None:
     for part in ("Meaning", "Impact", "Diagnosis", "Mitigation"):
         assert f"\n### {part}\n" in section, f"{alert}: no '### {part}'"
     assert "curl" in section, f"{alert}: the diagnosis names no command"
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [r for r in rules() if re.search(r"omni_watchdog_(stage_|master_link)", r["expr"])],
+    ids=lambda rule: rule["alert"],
+)
+def test_every_alert_on_a_stage_or_a_link_says_which_host_to_go_to(rule: dict[str, Any]) -> None:
+    assert "{{ $labels.host }}" in rule["annotations"]["summary"]
+    assert "{{ $labels.host }}" in rule["annotations"]["description"]
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [r for r in rules() if "omni_watchdog_stage_state{" in r["expr"].split()[0]],
+    ids=lambda rule: rule["alert"],
+)
+def test_every_stage_state_alert_drops_the_remote_view_of_a_stage_seen_locally(
+    rule: dict[str, Any],
+) -> None:
+    # Else one failure of a headless stage pages twice: from the head and from its host.
+    assert "unless ignoring (state)" in rule["expr"]
+    assert "on (stage, replica, host) omni_watchdog_stage_remote == 0" in rule["expr"]
 
 
 def test_the_rules_name_only_metrics_of_the_contract() -> None:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GENERATOR = ROOT / "dashboards" / "generate.py"
 DASHBOARD = ROOT / "dashboards" / "omni-watchdog.json"
 # A value for each dashboard variable, as Grafana would interpolate it into a query.
-VARIABLE_VALUES = {"instance": ".*", "stage": "0|1", "__rate_interval": "1m"}
+VARIABLE_VALUES = {"instance": ".*", "host": ".*", "stage": "0|1", "__rate_interval": "1m"}
 _VARIABLE = re.compile(r"\$\{?(\w+)\}?")
 _LABEL_VALUES = re.compile(r"label_values\((.+), *\w+\)")
 
@@ -114,7 +114,7 @@ def test_the_dashboard_names_only_metrics_of_the_contract() -> None:
         for v in variables().values()
         if v["type"] == "query"
     ]
-    assert len(selectors) == 2
+    assert len(selectors) == 3
     assert unknown_metrics(selectors, EXPORTER_FAMILIES) == {}
 
 
@@ -129,6 +129,8 @@ def test_the_dashboard_has_the_variables_grafana_needs() -> None:
     assert found["datasource"]["type"] == "datasource"
     assert found["datasource"]["query"] == "prometheus"
     assert "omni_watchdog_stage_state" in found["stage"]["definition"]
+    assert found["host"]["definition"].endswith(", host)")
+    assert 'host=~"$host"' in found["stage"]["definition"]
     for panel in panels():
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert all(q["datasource"]["uid"] == "${datasource}" for q in panel["targets"])
@@ -176,6 +178,10 @@ def test_panel_ids_are_unique_and_panels_do_not_overlap() -> None:
         ("timeseries", "omni_watchdog_state_write_errors_total"),
         ("timeseries", "omni_watchdog_spans_rejected_total"),
         ("timeseries", "omni_watchdog_connections_closed_total"),
+        ("table", "omni_watchdog_host_info"),
+        ("table", "omni_watchdog_stage_remote"),
+        ("table", "omni_watchdog_master_link_up"),
+        ("timeseries", "omni_watchdog_master_link_up"),
     ],
 )
 def test_the_dashboard_shows(kind: str, metric: str) -> None:
@@ -218,3 +224,36 @@ def test_the_watchdogs_own_health_is_in_its_row() -> None:
         "omni_watchdog_connections_closed_total",
     ):
         assert family in shown, family
+
+
+def test_every_stage_panel_is_narrowed_to_the_chosen_hosts_and_names_the_host() -> None:
+    stage_queries = [
+        (panel["title"], query)
+        for panel in panels()
+        if panel["type"] != "table"
+        for query in panel["targets"]
+        if "omni_watchdog_stage_" in query["expr"]
+    ]
+    assert len(stage_queries) >= 7
+    for title, query in stage_queries:
+        assert 'host=~"$host"' in query["expr"], title
+        assert "{{host}}" in query["legendFormat"], title
+
+
+def test_the_hosts_table_merges_one_row_per_watchdog_and_host() -> None:
+    table = next(p for p in panels() if p["type"] == "table" and p["title"] == "Hosts")
+    for query in table["targets"]:
+        assert query["format"] == "table" and query["instant"] is True
+        # The rows merge only if every query keeps the same labels.
+        assert query["expr"].startswith(
+            ("count by (instance, host, role)", "max by (instance, host, role)")
+        )
+    organize = next(t for t in table["transformations"] if t["id"] == "organize")
+    assert list(organize["options"]["renameByName"].values()) == [
+        "Watchdog",
+        "Host",
+        "Role",
+        "Stages",
+        "Remote",
+        "Master link",
+    ]

@@ -24,8 +24,10 @@ import pytest
 import yaml
 from test_alerts import run_promtool
 
+from omni_watchdog.cli import build_parser, overrides_of
 from omni_watchdog.config import (
     ENV_PREFIX,
+    WatchdogConfig,
     describe_defaults,
     is_loopback,
     load_config,
@@ -33,13 +35,19 @@ from omni_watchdog.config import (
 )
 from omni_watchdog.instrument import admin, telemetry
 from omni_watchdog.policy.capture import PTRACE_PY_SPY
+from omni_watchdog.types import Mode
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
 MAIN_MANIFEST = KUBERNETES / "vllm-omni.yaml"
 ADMIN_ONLY_MANIFEST = KUBERNETES / "admin-only" / "vllm-omni.yaml"
+POD_MONITOR = KUBERNETES / "podmonitor.yaml"
 PROMETHEUS_RULE = KUBERNETES / "prometheusrule.yaml"
+MULTI_HOST = KUBERNETES / "multi-host"
+HEAD_MANIFEST = MULTI_HOST / "head.yaml"
+STAGE_MANIFESTS = sorted(MULTI_HOST.glob("stage-*.yaml"))
+MULTI_HOST_POD_MONITOR = MULTI_HOST / "podmonitor.yaml"
 COMPOSE_DIR = DEPLOY / "compose"
 COMPOSE = COMPOSE_DIR / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -50,6 +58,10 @@ VLLM_CONTAINER = "vllm"
 # Variables the instrument plugin reads inside the served processes.
 PLUGIN_VARIABLES = {
     telemetry.ENDPOINT_ENV,
+    telemetry.TOKEN_ENV,
+    telemetry.HEAD_ENDPOINT_ENV,
+    telemetry.HEAD_TOKEN_ENV,
+    telemetry.HOST_ENV,
     telemetry.HEARTBEAT_INTERVAL_ENV,
     admin.ADMIN_TOKEN_ENV,
 }
@@ -89,8 +101,27 @@ def container(spec: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def environment(container_spec: dict[str, Any]) -> dict[str, str]:
-    """A container's variables; those read from a Secret get a stand-in value."""
+    """A container's variables; those read from a Secret or a field get a stand-in value."""
     return {var["name"]: var.get("value", "from-a-secret") for var in container_spec.get("env", [])}
+
+
+def value_from(container_spec: dict[str, Any], name: str) -> dict[str, Any]:
+    """Where a container's variable is read from (a Secret's key, a field of the pod)."""
+    (found,) = [var["valueFrom"] for var in container_spec["env"] if var["name"] == name]
+    return dict(found)
+
+
+def argument(args: list[str], flag: str) -> str:
+    """The value after `flag` on a command line."""
+    assert args.count(flag) == 1, f"{flag} appears {args.count(flag)} times in {args}"
+    return args[args.index(flag) + 1]
+
+
+def watchdog_config(watchdog: dict[str, Any]) -> WatchdogConfig:
+    """The config `omni-watchdog` builds from the container's command line and variables."""
+    parsed = build_parser().parse_args(watchdog.get("args", ["run"]))
+    assert parsed.command == "run"
+    return load_config(environ=environment(watchdog), overrides=overrides_of(parsed))
 
 
 def config_variables() -> set[str]:
@@ -114,13 +145,13 @@ def check_watchdog_environment(env: dict[str, str]) -> None:
     load_config(environ=env)
 
 
-def check_plugin_environment(env: dict[str, str]) -> None:
+def check_plugin_environment(env: dict[str, str], admin_route: bool = True) -> None:
     unknown = {name for name in env if name.startswith(ENV_PREFIX)} - PLUGIN_VARIABLES
     assert not unknown, f"the instrument plugin reads no {sorted(unknown)}"
     # Set, VLLM_PLUGINS drops every plugin it does not name, vLLM-Omni's models and any
     # out-of-tree platform too; the admin token alone asks for the admin route.
     assert "VLLM_PLUGINS" not in env
-    assert "OMNI_WATCHDOG_ADMIN_TOKEN" in env
+    assert ("OMNI_WATCHDOG_ADMIN_TOKEN" in env) is admin_route
 
 
 # ---- every file ------------------------------------------------------------------------
@@ -151,7 +182,7 @@ def test_prometheus_rule_holds_the_groups_of_the_rules_file() -> None:
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
 
 
-def test_prometheus_rule_is_fresh() -> None:
+def test_generated_files_are_fresh() -> None:
     assert generator().main(["--check"]) == 0
 
 
@@ -160,6 +191,23 @@ def test_check_mode_reports_a_stale_rule(tmp_path: Path, monkeypatch: pytest.Mon
     stale = tmp_path / "prometheusrule.yaml"
     stale.write_text(PROMETHEUS_RULE.read_text().replace("OmniStageStalled", "Renamed"))
     monkeypatch.setattr(module, "OUTPUT", stale)
+    assert module.main(["--check"]) == 1
+
+
+def test_check_mode_reports_a_stale_or_missing_multi_host_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = generator()
+    rule = tmp_path / "prometheusrule.yaml"
+    rule.write_text(module.render())
+    monkeypatch.setattr(module, "OUTPUT", rule)
+    monkeypatch.setattr(module, "MULTI_HOST", tmp_path / "multi-host")
+    assert module.main([]) == 0
+    assert module.main(["--check"]) == 0
+    head = tmp_path / "multi-host" / HEAD_MANIFEST.name
+    head.write_text(head.read_text() + "# edited by hand\n")
+    assert module.main(["--check"]) == 1
+    head.unlink()
     assert module.main(["--check"]) == 1
 
 
@@ -230,7 +278,11 @@ def test_watchdog_is_a_native_sidecar_with_a_valid_config(path: Path) -> None:
     assert security["capabilities"]["drop"] == ["ALL"]
 
 
-@pytest.mark.parametrize("path", [MAIN_MANIFEST, ADMIN_ONLY_MANIFEST], ids=["shared", "admin"])
+@pytest.mark.parametrize(
+    "path",
+    [MAIN_MANIFEST, ADMIN_ONLY_MANIFEST, HEAD_MANIFEST, *STAGE_MANIFESTS],
+    ids=lambda path: str(path.relative_to(KUBERNETES)),
+)
 def test_vllm_runs_as_its_images_user(path: Path) -> None:
     # vLLM's images are built for root: under another uid torch's compile cache fails on
     # getpwuid() and the caches under HOME cannot be written.
@@ -295,7 +347,7 @@ def test_admin_only_variant_needs_no_shared_namespace_nor_privileges() -> None:
 
 
 def test_pod_monitor_scrapes_the_watchdog_port_of_the_pods() -> None:
-    (monitor,) = [doc for _, doc in manifests() if doc["kind"] == "PodMonitor"]
+    (monitor,) = documents(POD_MONITOR)
     assert WATCHDOG_JOB.fullmatch(monitor["metadata"]["name"])
     template = deployment(MAIN_MANIFEST)["spec"]["template"]
     labels = template["metadata"]["labels"]
@@ -318,6 +370,215 @@ def test_service_targets_the_pods_ports() -> None:
         for port in c.get("ports", [])
     }
     assert {port["targetPort"] for port in service["spec"]["ports"]} <= names
+
+
+# ---- Kubernetes, several hosts ---------------------------------------------------------
+
+
+def head_pod() -> dict[str, Any]:
+    return pod_spec(HEAD_MANIFEST)
+
+
+def master_service() -> dict[str, Any]:
+    """The head's Service the stage pods reach its master and its watchdog through."""
+    (found,) = [
+        doc
+        for doc in documents(HEAD_MANIFEST)
+        if doc["kind"] == "Service" and doc["spec"].get("clusterIP") == "None"
+    ]
+    return found
+
+
+def service_port(service: dict[str, Any], name: str) -> int:
+    (port,) = [port["port"] for port in service["spec"]["ports"] if port["name"] == name]
+    return int(port)
+
+
+def container_ports(spec: dict[str, Any]) -> dict[str, int]:
+    """Every named container port of a pod, init containers included."""
+    every = spec.get("initContainers", []) + spec["containers"]
+    return {port["name"]: port["containerPort"] for c in every for port in c.get("ports", [])}
+
+
+def stage_id(path: Path) -> int:
+    return int(argument(container(pod_spec(path), VLLM_CONTAINER)["args"], "--stage-id"))
+
+
+def test_the_layout_has_a_head_and_a_pod_for_each_stage_it_does_not_run() -> None:
+    assert STAGE_MANIFESTS
+    head_args = container(head_pod(), VLLM_CONTAINER)["args"]
+    stages = [stage_id(path) for path in STAGE_MANIFESTS]
+    assert len(set(stages)) == len(stages)
+    assert int(argument(head_args, "--stage-id")) not in stages
+
+
+@pytest.mark.parametrize(
+    "path", [HEAD_MANIFEST, *STAGE_MANIFESTS], ids=lambda path: path.name.removesuffix(".yaml")
+)
+def test_every_pod_has_its_own_watchdog_acting_on_the_processes_it_shares(path: Path) -> None:
+    spec = pod_spec(path)
+    # The watchdog acts on the processes of its own pod only, which it sees through the
+    # shared PID namespace, with the privileges of the single-host pod.
+    assert spec["shareProcessNamespace"] is True
+    watchdog = container(spec, WATCHDOG_CONTAINER)
+    assert watchdog in spec["initContainers"]
+    assert watchdog["restartPolicy"] == "Always"
+    check_watchdog_environment(environment(watchdog))
+    config = watchdog_config(watchdog)
+    assert config.mode is Mode.ENFORCE
+    assert {"processes", "gpu"} <= set(config.probes.enabled)
+    security = watchdog["securityContext"]
+    assert security["runAsUser"] == 0
+    assert sorted(security["capabilities"]["add"]) == ["KILL", "SYS_PTRACE"]
+    assert security["allowPrivilegeEscalation"] is False
+    # Every stage series, and every span the plugin sends, names the node it comes from.
+    for name in (WATCHDOG_CONTAINER, VLLM_CONTAINER):
+        field = value_from(container(spec, name), telemetry.HOST_ENV)
+        assert field == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_the_heads_watchdog_judges_the_remote_stages_from_their_spans() -> None:
+    spec = head_pod()
+    watchdog = container(spec, WATCHDOG_CONTAINER)
+    env = environment(watchdog)
+    config = watchdog_config(watchdog)
+    assert "OMNI_WATCHDOG_REMOTE_STAGES" in env or "--remote-stage" in watchdog["args"]
+    assert sorted(config.remote_stages) == sorted(stage_id(path) for path in STAGE_MANIFESTS)
+    assert not config.headless
+    # The stage pods' spans come across the cluster network, so the receiver listens beyond
+    # loopback and wants a token, kept in a Secret.
+    host, otlp = split_host_port(config.spans.otlp_listen, "spans.otlp_listen")
+    assert not is_loopback(host)
+    token = value_from(watchdog, "OMNI_WATCHDOG_OTLP_TOKEN")
+    assert "secretKeyRef" in token
+    ports = {port["name"]: port["containerPort"] for port in watchdog["ports"]}
+    assert ports == {"watchdog": api_port(env), "otlp": otlp}
+    # Its own server's plugin sends to it over the pod's loopback, with the same token.
+    vllm = container(spec, VLLM_CONTAINER)
+    vllm_env = environment(vllm)
+    check_plugin_environment(vllm_env)
+    assert vllm_env[telemetry.ENDPOINT_ENV] == f"http://127.0.0.1:{otlp}{telemetry.TRACES_PATH}"
+    assert value_from(vllm, telemetry.TOKEN_ENV) == token
+    admin_tokens = [value_from(c, admin.ADMIN_TOKEN_ENV) for c in (vllm, watchdog)]
+    assert admin_tokens[0] == admin_tokens[1]
+    assert "secretKeyRef" in admin_tokens[0]
+
+
+def test_the_head_serves_the_master_on_its_own_address() -> None:
+    vllm = container(head_pod(), VLLM_CONTAINER)
+    args = vllm["args"]
+    assert vllm["command"][:2] == ["vllm", "serve"]
+    assert "--omni" in args and "--headless" not in args
+    # The master binds the address it is given and tells the stages that address.
+    assert argument(args, "--omni-master-address") == "$(POD_IP)"
+    assert value_from(vllm, "POD_IP") == {"fieldRef": {"fieldPath": "status.podIP"}}
+    master_port = int(argument(args, "--omni-master-port"))
+    assert container_ports(head_pod())["omni-master"] == master_port
+    assert vllm["startupProbe"]["failureThreshold"] * vllm["startupProbe"]["periodSeconds"] >= 600
+    # /v1/target/health fails while a remote stage is unwell too: a probe on it would
+    # restart the head for a stage on another node before its watchdog's remote_grace.
+    assert "livenessProbe" not in vllm
+
+
+def test_the_stages_reach_the_heads_master_and_watchdog_through_a_headless_service() -> None:
+    service = master_service()
+    template = deployment(HEAD_MANIFEST)["spec"]["template"]
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    # Its name resolves to the head pod's own IP, where the ZMQ ports the master hands
+    # out at run time are too; and it does so before the head is ready, which the head is
+    # only once every stage has registered with it.
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    ports = container_ports(template["spec"])
+    for port in service["spec"]["ports"]:
+        assert ports[port["targetPort"]] == port["port"]
+    assert {port["name"] for port in service["spec"]["ports"]} == {"omni-master", "otlp"}
+
+
+def test_the_clients_service_targets_the_heads_api_and_watchdog() -> None:
+    (service,) = [
+        doc
+        for doc in documents(HEAD_MANIFEST)
+        if doc["kind"] == "Service" and "clusterIP" not in doc["spec"]
+    ]
+    template = deployment(HEAD_MANIFEST)["spec"]["template"]
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    ports = container_ports(template["spec"])
+    assert {port["targetPort"] for port in service["spec"]["ports"]} == {"http", "watchdog"}
+    for port in service["spec"]["ports"]:
+        assert ports[port["targetPort"]] == port["port"]
+
+
+@pytest.mark.parametrize("path", STAGE_MANIFESTS, ids=lambda path: path.name.removesuffix(".yaml"))
+def test_a_stage_pod_runs_one_headless_stage_registered_with_the_head(path: Path) -> None:
+    spec = pod_spec(path)
+    vllm = container(spec, VLLM_CONTAINER)
+    args = vllm["args"]
+    assert vllm["command"][:2] == ["vllm", "serve"]
+    assert "--omni" in args and "--headless" in args
+    assert "--port" not in args
+    service = master_service()
+    assert argument(args, "--omni-master-address") == service["metadata"]["name"]
+    assert int(argument(args, "--omni-master-port")) == service_port(service, "omni-master")
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # A headless stage serves no HTTP: nothing to expose or probe.
+    assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe"} & set(vllm)
+
+
+@pytest.mark.parametrize("path", STAGE_MANIFESTS, ids=lambda path: path.name.removesuffix(".yaml"))
+def test_a_stage_pods_watchdog_is_headless_and_acts_on_its_stage_alone(path: Path) -> None:
+    watchdog = container(pod_spec(path), WATCHDOG_CONTAINER)
+    assert "--headless" in watchdog["args"]
+    config = watchdog_config(watchdog)
+    assert config.headless
+    assert not config.remote_stages
+    env = environment(watchdog)
+    # No admin endpoint to ask, no HTTP API to target.
+    assert not {"OMNI_WATCHDOG_ADMIN_TOKEN", "OMNI_WATCHDOG_TARGET"} & set(env)
+    assert [port["containerPort"] for port in watchdog["ports"]] == [api_port(env)]
+    # Only the pod's own processes send to it, over the pod's loopback.
+    host, _ = split_host_port(config.spans.otlp_listen, "spans.otlp_listen")
+    assert is_loopback(host)
+
+
+@pytest.mark.parametrize("path", STAGE_MANIFESTS, ids=lambda path: path.name.removesuffix(".yaml"))
+def test_a_stage_pods_plugin_sends_to_its_own_watchdog_and_to_the_heads(path: Path) -> None:
+    spec = pod_spec(path)
+    vllm = container(spec, VLLM_CONTAINER)
+    env = environment(vllm)
+    # A headless stage serves no HTTP, so no admin route: its watchdog terminates it.
+    check_plugin_environment(env, admin_route=False)
+    local = otlp_port(environment(container(spec, WATCHDOG_CONTAINER)))
+    assert env[telemetry.ENDPOINT_ENV] == f"http://127.0.0.1:{local}{telemetry.TRACES_PATH}"
+    service = master_service()
+    head = f"http://{service['metadata']['name']}:{service_port(service, 'otlp')}"
+    assert env[telemetry.HEAD_ENDPOINT_ENV] == head + telemetry.TRACES_PATH
+    # The token the head's receiver wants, from the same Secret key.
+    head_watchdog = container(head_pod(), WATCHDOG_CONTAINER)
+    token = value_from(vllm, telemetry.HEAD_TOKEN_ENV)
+    assert token == value_from(head_watchdog, "OMNI_WATCHDOG_OTLP_TOKEN")
+    assert "secretKeyRef" in token
+
+
+def test_prometheus_scrapes_the_watchdog_of_every_pod_of_the_layout() -> None:
+    (monitor,) = documents(MULTI_HOST_POD_MONITOR)
+    assert monitor["kind"] == "PodMonitor"
+    assert WATCHDOG_JOB.fullmatch(monitor["metadata"]["name"])
+    selector = monitor["spec"]["selector"]["matchLabels"].items()
+    (single_host,) = documents(POD_MONITOR)
+    assert monitor["metadata"]["name"] != single_host["metadata"]["name"]
+    single_selector = single_host["spec"]["selector"]["matchLabels"].items()
+    for path in [HEAD_MANIFEST, *STAGE_MANIFESTS]:
+        template = deployment(path)["spec"]["template"]
+        labels = template["metadata"]["labels"].items()
+        assert selector <= labels
+        # Scraped once: the single-host PodMonitor does not select these pods.
+        assert not single_selector <= labels
+        watchdog = container(template["spec"], WATCHDOG_CONTAINER)
+        port_names = {port["name"] for port in watchdog["ports"]}
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert endpoint["port"] in port_names
+            assert endpoint["path"] == "/metrics"
 
 
 # ---- compose ---------------------------------------------------------------------------

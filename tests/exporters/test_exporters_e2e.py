@@ -20,6 +20,7 @@ from exporters.otlp_capture import CaptureServer, attributes
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_watchdog.demo import attached, wait_for
+from omni_watchdog.exporters.prometheus import UNKNOWN_HOST
 from omni_watchdog.log import configure_logging
 from omni_watchdog.semconv import INCIDENT_ID, INCIDENT_SPAN, LADDER_STEP_SPAN_PREFIX
 from omni_watchdog.types import IncidentOutcome
@@ -45,7 +46,7 @@ def value(text: str, name: str, **labels: str) -> float:
 def test_an_incident_shows_in_metrics_and_as_a_trace(tmp_path: Path) -> None:
     configure_logging("debug", (tmp_path / "watchdog.log").open("a"))
 
-    async def scenario() -> tuple[str, str, str, CaptureServer, Any, str]:
+    async def scenario() -> tuple[str, str, str, CaptureServer, Any, str, str]:
         capture = CaptureServer()
         await capture.start()
         overrides = {**FAST, "otlp_export_endpoint": capture.url}
@@ -61,11 +62,12 @@ def test_an_incident_shows_in_metrics_and_as_a_trace(tmp_path: Path) -> None:
                 content_type, after = await scrape(watchdog)
                 await asyncio.to_thread(watchdog.traces.flush)
                 stage_name = watchdog.topology.stage(incident.verdicts[0].stage.stage_id).name
+                host = watchdog.state.host
         finally:
             await capture.stop()
-        return content_type, before, after, capture, incident, stage_name
+        return content_type, before, after, capture, incident, stage_name, host
 
-    content_type, before, after, capture, incident, stage_name = asyncio.run(scenario())
+    content_type, before, after, capture, incident, stage_name, host = asyncio.run(scenario())
 
     assert content_type.startswith("text/plain; version=0.0.4")
     outcome = incident.outcome.value
@@ -81,6 +83,7 @@ def test_an_incident_shows_in_metrics_and_as_a_trace(tmp_path: Path) -> None:
         "omni_watchdog_verdicts_total",
         stage=str(verdict.stage.stage_id),
         stage_name=stage_name,
+        host=host or UNKNOWN_HOST,
         state=verdict.state.value,
         evidence=verdict.evidence[0].kind.value,
     )

@@ -12,19 +12,28 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from exporters.watchdog_state import START, Scripted, scripted_incidents, scripted_state
+from exporters.watchdog_state import (
+    HOST,
+    REMOTE_HOST,
+    START,
+    Scripted,
+    headless_state,
+    scripted_incidents,
+    scripted_state,
+)
 from fakes import FakePsutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_watchdog.config import WatchdogConfig
 from omni_watchdog.exporters.api import JsonApi
-from omni_watchdog.exporters.prometheus import CONTENT_TYPE, FAMILY_NAMES
+from omni_watchdog.exporters.prometheus import CONTENT_TYPE, FAMILY_NAMES, UNKNOWN_HOST
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.self_health import ProbeBoard
 from omni_watchdog.stats import Histogram, WatchdogStats
@@ -76,13 +85,14 @@ def test_metrics_match_the_golden_file(scripted: Scripted) -> None:
     assert text == GOLDEN.read_text(), "set OMNI_WATCHDOG_UPDATE_GOLDEN=1 to rewrite"
 
 
-def test_promtool_check_metrics_is_clean(scripted: Scripted) -> None:
+@pytest.mark.parametrize("make", [scripted_state, headless_state], ids=["head", "headless"])
+def test_promtool_check_metrics_is_clean(make: Callable[[], Scripted]) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (Debian package 'prometheus'); metrics not linted")
     result = subprocess.run(
         [promtool, "check", "metrics"],
-        input=scripted.rendered(),
+        input=make().rendered(),
         capture_output=True,
         text=True,
         timeout=30,
@@ -96,7 +106,7 @@ def test_every_family_of_the_contract_is_present(scripted: Scripted) -> None:
     # The parser names counters without their _total suffix.
     expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
     assert names == expected
-    assert len(FAMILY_NAMES) == 41
+    assert len(FAMILY_NAMES) == 45
 
 
 def test_content_type_is_the_text_format() -> None:
@@ -109,17 +119,29 @@ def test_state_shows_the_scripted_story(scripted: Scripted) -> None:
     def value(name: str, **labels: str) -> float:
         return found[("omni_watchdog_" + name, tuple(sorted(labels.items())))]
 
-    stalled = {"stage": "1", "stage_name": "stage-1", "replica": "0"}
+    stalled = {"stage": "1", "stage_name": "stage-1", "replica": "0", "host": HOST}
     assert value("stage_state", state="stalled", **stalled) == 1
     assert value("stage_state", state="healthy", **stalled) == 0
-    unseen = {"stage": "0", "stage_name": 'thinker "main"', "replica": "1"}
+    assert value("stage_remote", **stalled) == 0
+    unseen = {"stage": "0", "stage_name": 'thinker "main"', "replica": "1", "host": HOST}
     assert value("stage_state", state="unknown", **unseen) == 1
     heartbeat_unseen = value("stage_heartbeat_age_seconds", **unseen)
     assert heartbeat_unseen != heartbeat_unseen  # NaN
     assert value("stage_heartbeat_age_seconds", **stalled) == 15.0
-    assert value("stage_requests_overdue", stage="1", stage_name="stage-1") == 6
-    assert value("stage_requests_in_flight", stage="0", stage_name='thinker "main"') == 0
-    verdict = {"stage": "1", "stage_name": "stage-1", "state": "stalled"}
+    assert value("stage_requests_overdue", stage="1", stage_name="stage-1", host=HOST) == 6
+    in_flight = value("stage_requests_in_flight", stage="0", stage_name='thinker "main"', host=HOST)
+    assert in_flight == 0
+    remote = {"stage": "2", "stage_name": "stage-2", "replica": "0", "host": REMOTE_HOST}
+    assert value("stage_remote", **remote) == 1
+    assert value("stage_state", state="healthy", **remote) == 1
+    unseen_memory = value("stage_gpu_memory_bytes", **remote)
+    assert unseen_memory != unseen_memory  # NaN: out of this host's NVML
+    assert (
+        value("stage_duration_seconds_count", stage="2", stage_name="stage-2", host=REMOTE_HOST)
+        == 0
+    )
+    assert value("host_info", host=HOST, role="server") == 1
+    verdict = {"stage": "1", "stage_name": "stage-1", "host": HOST, "state": "stalled"}
     assert value("verdicts_total", evidence="heartbeat_lost", **verdict) == 1
     assert value("verdicts_total", evidence="gpu_held", **verdict) == 1
     assert value("verdicts_total", evidence="process_exit", **verdict) == 0
@@ -134,10 +156,60 @@ def test_state_shows_the_scripted_story(scripted: Scripted) -> None:
     assert value("ladder_step_duration_seconds_count", step="terminate") == 1
     assert value("verdict_to_release_seconds_count") == 1
     assert value("verdict_to_release_seconds_sum") == pytest.approx(7.6)
-    assert value("gpu_process_memory_bytes", gpu="0", pid="99999", stage="") == 2**29
+    assert value("gpu_process_memory_bytes", gpu="0", pid="99999", stage="", host=HOST) == 2**29
     assert value("processes", role="helper", status="zombie") == 1
     assert value("orphaned_processes") == 1
     assert value("remediation_budget_exhausted_total") == 1
+    assert not any(name.startswith("omni_watchdog_master_link") for name, _ in found)
+
+
+def test_a_headless_stages_watchdog_shows_its_role_and_master_link() -> None:
+    found = samples(headless_state().rendered())
+    link = (("address", "10.0.0.1"), ("host", REMOTE_HOST), ("port", "29500"))
+    assert found[("omni_watchdog_master_link_up", link)] == 0
+    changed = found[("omni_watchdog_master_link_last_change_timestamp_seconds", link)]
+    assert changed == START + 15.0 - 5.0 + 1_700_000_000.0
+    role = (("host", REMOTE_HOST), ("role", "headless_stage"))
+    assert found[("omni_watchdog_host_info", role)] == 1
+    own = (("host", REMOTE_HOST), ("replica", "0"), ("stage", "2"), ("stage_name", "stage-2"))
+    assert found[("omni_watchdog_stage_remote", own)] == 0
+    assert {dict(labels)["host"] for _, labels in found if "stage" in dict(labels)} == {REMOTE_HOST}
+
+
+def test_a_stage_on_a_host_not_yet_known_is_on_host_unknown(scripted: Scripted) -> None:
+    state = scripted.state
+    assert state.report is not None
+    statuses = tuple(
+        dataclasses.replace(s, host="") if s.remote else s for s in state.report.statuses
+    )
+    placed = dataclasses.replace(state.report, statuses=statuses)
+    found = samples(Scripted(dataclasses.replace(state, report=placed), scripted.clock).rendered())
+    remote = {"stage": "2", "stage_name": "stage-2", "replica": "0", "host": UNKNOWN_HOST}
+    assert found[("omni_watchdog_stage_remote", tuple(sorted(remote.items())))] == 1
+    hosts = {dict(labels).get("host") for _, labels in found if dict(labels).get("stage") == "2"}
+    assert hosts == {UNKNOWN_HOST}
+
+
+def test_a_host_renamed_at_every_scrape_keeps_the_series_and_labels_bounded(
+    scripted: Scripted,
+) -> None:
+    state = scripted.state
+    assert state.report is not None
+    exposition = scripted.exposition()
+    counts = set()
+    for n in range(50):
+        statuses = tuple(
+            dataclasses.replace(s, host=f"host-{n}") if s.remote else s
+            for s in state.report.statuses
+        )
+        exposition.export(
+            dataclasses.replace(state, report=dataclasses.replace(state.report, statuses=statuses))
+        )
+        text = exposition.render().decode()
+        assert f'host="host-{n}"' in text and f'host="host-{n - 1}"' not in text
+        counts.add(sum(1 for line in text.splitlines() if not line.startswith("#")))
+    assert len(counts) == 1
+    assert len(exposition._replica_lines) == 4 and len(exposition._stage_lines) == 3
 
 
 def test_every_series_exists_before_anything_happened() -> None:
@@ -159,6 +231,10 @@ def test_every_series_exists_before_anything_happened() -> None:
     assert names >= {"omni_watchdog_verdicts_total", "omni_watchdog_ladder_steps_total"}
     refs = [labels for name, labels in found if name == "omni_watchdog_stage_state"]
     assert len(refs) == 4 * len(StageState)  # 4 replicas of 3 stages, every state
+    # Before any judgement no stage is known to run elsewhere: all on this host, local.
+    remote = {labels: v for (name, labels), v in found.items() if name.endswith("stage_remote")}
+    assert len(remote) == 4 and set(remote.values()) == {0}
+    assert all(dict(labels)["host"] == HOST for labels in remote)
     starting = {
         dict(labels)["replica"] + dict(labels)["stage"]
         for name, labels in found
@@ -177,7 +253,7 @@ def test_every_series_exists_before_anything_happened() -> None:
         found[
             (
                 "omni_watchdog_stage_duration_seconds_count",
-                (("stage", "2"), ("stage_name", "stage-2")),
+                (("host", HOST), ("stage", "2"), ("stage_name", "stage-2")),
             )
         ]
         == 0

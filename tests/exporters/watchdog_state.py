@@ -3,12 +3,15 @@ tests and the scrape benchmark.
 
 The detector and the stats are the real ones, fed the story: every stage warms up and
 beats, then stage 1 falls silent with requests waiting for it (stalled, with a verdict),
-the first stage's second replica never shows a sign (unknown, heartbeat age NaN). The
+the first stage's second replica never shows a sign (unknown, heartbeat age NaN). The last
+stage runs on another host (a vLLM-Omni 0.30 headless stage): it has no process or GPU pid
+here, and is marked remote on its spans' host as the state assembler marks it. The
 processes, GPU reading, receiver counters and incidents are written out as a state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from omni_watchdog.clock import FakeClock
@@ -27,6 +30,7 @@ from omni_watchdog.types import (
     IncidentOutcome,
     LockStatus,
     MaintenancePause,
+    MasterLink,
     Mode,
     Observation,
     ObservationKind,
@@ -54,6 +58,8 @@ ROOT_PID = 100
 UNMAPPED_PID = 99_999
 STALLED_STAGE = 1
 GIB = 2**30
+HOST = "gpu-node-a"
+REMOTE_HOST = "gpu-node-b"
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,7 @@ def chain_topology(stages: int, first_replicas: int) -> Topology:
     )
 
 
-def _processes(topology: Topology, pids_per_replica: int) -> list[ProcessInfo]:
+def _processes(topology: Topology, pids_per_replica: int, remote: int | None) -> list[ProcessInfo]:
     def info(pid: int, role: ProcessRole, stage: StageRef | None, **extra: object) -> ProcessInfo:
         fields: dict[str, object] = {
             "ppid": ROOT_PID,
@@ -109,6 +115,8 @@ def _processes(topology: Topology, pids_per_replica: int) -> list[ProcessInfo]:
     processes = [info(ROOT_PID, ProcessRole.API, None, ppid=1)]
     pid = 1000
     for ref in topology.refs():
+        if ref.stage_id == remote:
+            continue
         roles = [ProcessRole.STAGE, ProcessRole.ENGINE]
         roles += [ProcessRole.WORKER] * (pids_per_replica - len(roles))
         for role in roles[:pids_per_replica]:
@@ -134,7 +142,7 @@ def _gpu_reading(
     devices = tuple(
         GpuDevice(
             gpu,
-            sum(p.used_bytes for p in pids) + 256 * 2**20,
+            sum(p.used_bytes for p in pids) + 256.0 * 2**20,
             80.0 * GIB,
             # Only the silent stage's device idles; one device reports no utilization.
             None if gpu == gpus - 1 and gpus > 2 else 0.0 if gpu == silent.stage_id else 0.5,
@@ -192,14 +200,18 @@ def scripted_state(
     gpus: int = 3,
     pids_per_replica: int = 2,
     requests: int = 6,
+    with_remote: bool = True,
 ) -> Scripted:
-    """The scripted state; the defaults are small enough to read in a golden file."""
+    """The scripted state; the defaults are small enough to read in a golden file.
+    `with_remote`: its last stage runs on another host (when it is not the stalled one)."""
     config = WatchdogConfig()
     clock = FakeClock(START, WALL_OFFSET)
     topology = chain_topology(stages, first_replicas)
     detector = Detector(config.detection, topology, clock.monotonic())
     stats = WatchdogStats()
-    processes = _processes(topology, pids_per_replica)
+    # The last stage is remote once there is one beyond the stalled stage.
+    remote = stages - 1 if with_remote and stages - 1 > STALLED_STAGE else None
+    processes = _processes(topology, pids_per_replica, remote)
     silent = StageRef(STALLED_STAGE)
     never_seen = StageRef(0, 1) if first_replicas > 1 else None
     path = topology.default_path()
@@ -270,6 +282,15 @@ def scripted_state(
     gpu = _gpu_reading(processes, gpus, now, silent)
     feed(observations_of(gpu))
     report = detector.evaluate(now)
+    report = dataclasses.replace(
+        report,
+        statuses=tuple(
+            dataclasses.replace(status, remote=True, host=REMOTE_HOST)
+            if status.stage.stage_id == remote
+            else dataclasses.replace(status, host=HOST)
+            for status in report.statuses
+        ),
+    )
     stats.count_verdicts(first.verdicts)
     stats.count_verdicts(report.verdicts)
     incidents = scripted_incidents()
@@ -325,5 +346,33 @@ def scripted_state(
             blind_spells=4,
             set_aside={"canary": 0, "health": 2},
         ),
+        host=HOST,
     )
     return Scripted(state, clock)
+
+
+def headless_state() -> Scripted:
+    """The watchdog beside the scripted remote stage, on that stage's host: the stage is
+    its own (local), the others are not its to show, and its link to the master has been
+    down for 5 s. Its stage's processes and GPU pids are not scripted."""
+    scripted = scripted_state()
+    state = scripted.state
+    assert state.report is not None
+    remote = state.topology.stages[-1].stage_id
+    topology = Topology(tuple(s for s in state.topology.stages if s.stage_id == remote), "test")
+    statuses = tuple(
+        dataclasses.replace(status, remote=False)
+        for status in state.report.statuses
+        if status.stage.stage_id == remote
+    )
+    link = MasterLink("10.0.0.1", 29500, False, state.made_at - 5.0, "connection refused")
+    headless = dataclasses.replace(
+        state,
+        topology=topology,
+        report=dataclasses.replace(state.report, statuses=statuses, requests={}),
+        processes=(),
+        gpu=None,
+        host=REMOTE_HOST,
+        link=link,
+    )
+    return Scripted(headless, scripted.clock)
