@@ -43,6 +43,8 @@ def main() -> None:
         gpus=GPUS,
         pids_per_replica=PIDS_PER_STAGE,
         requests=REQUESTS,
+        # Every stage on this host: the most processes and GPU series a page can have.
+        with_remote=False,
     )
     exposition = scripted.exposition()
     body = exposition.render()  # warm the label caches, as the first scrape does

@@ -11,6 +11,7 @@ BENCHMARKS = [
     "bench_ingest.py",
     "bench_scrape.py",
     "bench_detection.py",
+    "bench_remote_stage.py",
     "bench_soak.py",
     "bench_overhead.py",
     "bench_memory.py",
