@@ -32,6 +32,7 @@ from omni_watchdog.exporters.traces import IncidentTraces
 from omni_watchdog.log import log_event
 from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.core import Policy
+from omni_watchdog.probes.gpu import GpuProbe
 from omni_watchdog.probes.health import HealthProbe
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.span_store import SpanStore
@@ -255,6 +256,9 @@ class Watchdog:
         if exited and HealthProbe.name in self._look_now:
             self._look_now[HealthProbe.name].set()
             self._asking_until = self.clock.monotonic() + self.config.detection.confirm_timeout
+        if exited and GpuProbe.name in self._look_now:
+            # Whether the device let go of the exited process's memory confirms its death.
+            self._look_now[GpuProbe.name].set()
         if exited or _failed_answer(observations):
             self._judge_now.set()
         if probe is self.tracker and self.tracker.generation != self._generation:

@@ -36,6 +36,7 @@ class EvidenceKind(str, enum.Enum):
     PROCESS_EXIT = "process_exit"
     PROCESS_STUCK = "process_stuck"
     GPU_HELD = "gpu_held"
+    GPU_RELEASED = "gpu_released"
     LINK_LOST = "link_lost"
 
 

@@ -89,6 +89,8 @@ class _StageMemory:
     durations: RollingQuantile = field(default_factory=RollingQuantile)
     processes: dict[int, _ProcessMemory] = field(default_factory=dict)
     gpu_bytes: dict[int, float] = field(default_factory=dict)
+    # When each pid was last listed holding memory by a GPU reading.
+    gpu_seen_at: dict[int, float] = field(default_factory=dict)
     state: StageState = StageState.STARTING
     since: float = 0.0
     last_error: str = ""
@@ -144,6 +146,8 @@ class Detector:
         self._unhealthy_signs: list[tuple[float, str]] = []
         self._last_progress: float | None = None
         # A headless stage's link to its master: down since, and what the last check said.
+        # The time of the latest GPU reading, whichever pids it listed.
+        self._gpu_read_at: float | None = None
         self._link_down_since: float | None = None
         self._link_detail = ""
         # The remote stage whose missing replica has kept the server unhealthy past
@@ -342,6 +346,11 @@ class Detector:
         memory = self._memory(obs.stage)
         if memory is not None and obs.pid is not None:
             memory.gpu_bytes[obs.pid] = obs.value
+            memory.gpu_seen_at[obs.pid] = obs.time
+
+    def _on_gpu_device(self, obs: Observation) -> None:
+        # A reading lists its devices first, then every pid holding memory on them.
+        self._gpu_read_at = obs.time
 
     _HANDLERS = {
         ObservationKind.HEARTBEAT: _on_heartbeat,
@@ -355,6 +364,7 @@ class Detector:
         ObservationKind.CANARY: _on_canary,
         ObservationKind.PROCESS: _on_process,
         ObservationKind.GPU_PROCESS: _on_gpu_process,
+        ObservationKind.GPU_DEVICE: _on_gpu_device,
         ObservationKind.LINK: _on_link,
     }
 
@@ -417,6 +427,9 @@ class Detector:
                 if process.exited_at is None
                 and process.info.status in (ProcessStatus.STOPPED, ProcessStatus.DISK_SLEEP)
             )
+            due.extend(since for since, _ in self._released_after_exit(memory))
+        if self._link_down_since is not None:
+            due.append(self._link_down_since + config.link_grace)
         return min((moment for moment in due if moment > now), default=None)
 
     # ---- evaluation ---------------------------------------------------------------
@@ -436,7 +449,7 @@ class Detector:
                 evidence.extend(
                     Evidence(kind, ref, since, detail) for kind, since, detail in shared
                 )
-            evidence.extend(self._after_exit(ref, evidence))
+            evidence.extend(self._after_exit(ref, memory, evidence, now))
             if not self._root_alive():
                 state = StageState.DEAD
                 evidence = [self._server_gone(ref)]
@@ -800,17 +813,32 @@ class Detector:
             shared.append((EvidenceKind.CANARY_FAILED, self._canary_failed_at, self._canary_detail))
         return shared
 
-    def _after_exit(self, ref: StageRef, evidence: list[Evidence]) -> list[Evidence]:
-        """What the server said after one of the stage's processes exited: one failed
-        /health or canary then confirms the death without waiting for N in a row. A refused
-        /health is what a server that stops on purpose shows first, so it never counts."""
+    def _after_exit(
+        self, ref: StageRef, memory: _StageMemory, evidence: list[Evidence], now: float
+    ) -> list[Evidence]:
+        """What the server and the GPU said after one of the stage's processes exited: one
+        failed /health or canary then confirms the death without waiting for N in a row. A
+        refused /health is what a server that stops on purpose shows first, so it never
+        counts. The driver letting go of the memory an exited stage process held confirms
+        it too, from the device's side: a replica whose siblings still serve leaves
+        /health at 200."""
         exit_at = min(
             (e.since for e in evidence if e.kind is EvidenceKind.PROCESS_EXIT), default=None
         )
         if exit_at is None:
             return []
         kinds = {e.kind for e in evidence}
-        found: list[Evidence] = []
+        found: list[Evidence] = [
+            Evidence(
+                EvidenceKind.GPU_RELEASED,
+                ref,
+                since,
+                f"the GPU no longer holds the {memory.gpu_bytes[pid] / 2**20:.0f} MiB"
+                f" that exited pid {pid} held",
+            )
+            for since, pid in self._released_after_exit(memory)[:1]
+            if since <= now
+        ]
         unwell = self._health_unwell
         if EvidenceKind.HEALTH_FAILED not in kinds and unwell is not None and unwell[0] >= exit_at:
             found.append(
@@ -832,6 +860,27 @@ class Detector:
                 )
             )
         return found
+
+    def _released_after_exit(self, memory: _StageMemory) -> list[tuple[float, int]]:
+        """(from when it counts, pid) of each exited stage process that held GPU memory and
+        that a reading taken after its exit no longer lists, earliest first. A clean stop
+        takes the engine down a moment before the server, so it counts only once the
+        server has outlived the exit by `_EXIT_SETTLE`."""
+        read_at = self._gpu_read_at
+        if read_at is None or not self._root_alive():
+            return []
+        found = []
+        for pid, process in memory.processes.items():
+            exited_at = process.exited_at
+            if (
+                exited_at is not None
+                and process.info.role in _STAGE_ROLES
+                and memory.gpu_bytes.get(pid, 0.0) > 0
+                and memory.gpu_seen_at.get(pid, read_at) < read_at
+                and read_at >= exited_at
+            ):
+                found.append((max(read_at, exited_at + _EXIT_SETTLE), pid))
+        return sorted(found)
 
     def _gpu_held(self, ref: StageRef, memory: _StageMemory, now: float) -> list[Evidence]:
         live_pids = {pid for pid, p in memory.processes.items() if p.exited_at is None}

@@ -955,3 +955,104 @@ def test_the_first_attach_keeps_the_warm_up_a_new_server_starts_it_over() -> Non
     # A new server on the target (a later generation) is judged afresh.
     detector.reset(ONE_STAGE, now)
     assert not detector.warmed_up(now + 1.0)
+
+
+@dataclass
+class ReplicaDeath:
+    """Stage 1 of two replicas: replica 0's engine (pid 300, 6 GiB) exits at `exit_at`
+    while replica 1 serves on and /health stays 200; GPU readings every `read_every` s,
+    listing pid 300 until the driver lets go of it `freed_after` s after the exit."""
+
+    exit_at: float = 10.0
+    freed_after: float | None = 0.1
+    read_every: float = 0.5
+    held: float = 6 * 2**30
+    server_stops_at: float | None = None
+
+    def observations(self, now: float, read: bool) -> list[Observation]:
+        root_gone = self.server_stops_at is not None and now >= self.server_stops_at
+        root_status = ProcessStatus.EXITED if root_gone else ProcessStatus.SLEEPING
+        out = [
+            Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK),
+            Observation(ObservationKind.PROCESS, now, process=ROOT, outcome=root_status),
+        ]
+        for pid, ref in ((300, StageRef(1, 0)), (301, StageRef(1, 1))):
+            gone = pid == 300 and now >= self.exit_at
+            status = ProcessStatus.EXITED if gone else ProcessStatus.SLEEPING
+            info = process(pid, ref, ProcessRole.ENGINE, status, cpu=now)
+            out.append(Observation(ObservationKind.PROCESS, now, process=info, outcome=status))
+            if not gone:
+                out.append(Observation(ObservationKind.HEARTBEAT, now, stage=ref))
+        if read:
+            out.append(Observation(ObservationKind.GPU_DEVICE, now, gpu=0, value=self.held))
+            freed = self.freed_after is not None and now >= self.exit_at + self.freed_after
+            listed = [301] if freed else [300, 301]
+            for pid in listed:
+                ref = StageRef(1, pid - 300)
+                out.append(
+                    Observation(ObservationKind.GPU_PROCESS, now, ref, self.held, pid=pid, gpu=0)
+                )
+        return out
+
+
+def replica_death(world: ReplicaDeath, until: float = 20.0) -> list[Verdict]:
+    """Drive the world in 0.05 s steps, judging at every step; the verdicts given."""
+    two_replicas = Topology((Stage(0, "thinker"), Stage(1, "talker", replicas=2)))
+    clock = FakeClock()
+    start = clock.monotonic()
+    detector = Detector(CONFIG, two_replicas, start)
+    found: list[Verdict] = []
+    step, next_read = 0.05, 0.0
+    while clock.monotonic() - start < until:
+        now = clock.monotonic()
+        elapsed = now - start
+        read = elapsed >= next_read
+        if read:
+            next_read += world.read_every
+        stops_at = world.server_stops_at
+        shifted = dataclasses.replace(
+            world,
+            exit_at=start + world.exit_at,
+            server_stops_at=None if stops_at is None else start + stops_at,
+        )
+        detector.observe(shifted.observations(now, read))
+        for verdict in detector.evaluate(now).verdicts:
+            found.append(dataclasses.replace(verdict, time=verdict.time - start))
+        clock.advance(step)
+    return found
+
+
+def test_a_replica_whose_memory_the_gpu_let_go_after_its_exit_is_dead_at_once() -> None:
+    """/health stays 200 (its sibling serves): the exit and the driver's release of its
+    memory are two independent kinds, so the verdict comes a settle after the exit, not
+    after the heartbeat timeout."""
+    (verdict,) = replica_death(ReplicaDeath())
+    assert verdict.stage == StageRef(1, 0) and verdict.state is StageState.DEAD
+    kinds = {e.kind for e in verdict.evidence}
+    assert {EvidenceKind.PROCESS_EXIT, EvidenceKind.GPU_RELEASED} <= kinds
+    assert EvidenceKind.HEARTBEAT_LOST not in kinds
+    # The exit at 10 s; a clean stop would have taken the server down within 1 s.
+    assert 11.0 <= verdict.time < 11.2
+
+
+@pytest.mark.parametrize(
+    ("world", "why"),
+    [
+        (ReplicaDeath(freed_after=None), "the driver still lists the pid: nothing released"),
+        (ReplicaDeath(held=0.0), "it held no GPU memory: nothing to let go of"),
+    ],
+)
+def test_no_gpu_release_leaves_the_exit_to_be_confirmed_otherwise(
+    world: ReplicaDeath, why: str
+) -> None:
+    found = replica_death(world)
+    assert found, why
+    assert EvidenceKind.GPU_RELEASED not in {e.kind for e in found[0].evidence}, why
+    # Confirmed by its silence instead: the heartbeat timeout after its last beat.
+    assert found[0].time > 10.0 + CONFIG.heartbeat_timeout - 0.1, why
+
+
+def test_a_clean_stop_that_frees_the_memory_is_no_verdict() -> None:
+    """The server stops on purpose: the engine goes a moment before the server, and the
+    memory with it; no verdict."""
+    assert replica_death(ReplicaDeath(server_stops_at=10.4)) == []
