@@ -6,7 +6,7 @@ Faults: each run starts a fresh three-stage server (thinker -> talker -> code2wa
 its first requests, attaches a watchdog in enforce mode at the default settings (the
 plugin's heartbeat too), makes one fault and measures from the fault to the stage's
 verdict (the detector's STALLED or DEAD, at the time the detector set it) and to the
-moment no process of the server's tree is left.
+moment no process of the server's tree is left. Each verdict is shown beside its floor.
 
 First requests: every vLLM-Omni start is asked "ping" (one token), then a normal chat; a
 start counts as answered when both are 200, /health stays 200 and no stage worker died.
@@ -25,7 +25,7 @@ real-server tests' settings: stage 1 a quarter of a second slower each forward, 
 clients back to back, a burst of six more every minute, and one client that abandons each
 request after 0.2 to 3 s. Every incident would be a false remediation.
 
-    python benchmarks/bench_real_omni.py [--runs 3] [--fault block --fault raise --fault kill]
+    python benchmarks/bench_real_omni.py [--runs 20] [--fault block --fault raise --fault kill]
         [--bf16-starts 3] [--rounds 8] [--soak-seconds 600]
         [--only faults|overhead|bf16|soak]
 """
@@ -59,6 +59,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_detection import p95, spread
 from bench_overhead import spans_received, wait_healthy
 from e2e.harness import FAST, worse_than_degraded
 from real_omni.server import (
@@ -78,13 +79,13 @@ from real_omni.server import (
 from real_vllm.client import answer, chat, chat_body, health_status
 from real_vllm.server import READY_TIMEOUT as VLLM_READY_TIMEOUT
 from real_vllm.server import VLLM_PYTHON, VLLM_STAMP, VllmServer, make_tiny_model
-from results import record
+from results import record, recorded_rows
 from watchdog_process import start_watchdog
 
 from omni_watchdog.config import WatchdogConfig
 from omni_watchdog.demo import closed_incident, free_port, wait_for
 from omni_watchdog.instrument.telemetry import DEFAULT_HEARTBEAT_INTERVAL_S, HEARTBEAT_INTERVAL_ENV
-from omni_watchdog.types import StageRef, StageState, StepName
+from omni_watchdog.types import EvidenceKind, Incident, StageRef, StageState, StepName
 
 FAULTS_SECTION = "Real vLLM-Omni: detection and release"
 STARTS_SECTION = "Real vLLM-Omni: first requests after start"
@@ -121,17 +122,24 @@ ARCHITECTURE_ARGS = ("--architecture", MODEL_ARCHITECTURE)
 
 @dataclass(frozen=True)
 class Fault:
+    """A fault and its verdict's target: the simulated server's (docs/design.md, Performance
+    targets), a death's at the median and a stall's at the 95th percentile."""
+
     word: str  # a harness fault word, or "kill" for SIGKILL of the stage's engine core
     label: str
     stage_id: int
     expected: StageState
     verdict_target_s: float
 
+    @property
+    def verdict_at_p95(self) -> bool:
+        return self.expected is StageState.STALLED
+
 
 FAULTS = (
-    Fault("block", "blocked forward in stage 1", 1, StageState.STALLED, 5.0),
-    Fault("raise", "forward raising in stage 2", 2, StageState.DEAD, 3.0),
-    Fault("kill", "SIGKILL of stage 1's engine core", 1, StageState.DEAD, 3.0),
+    Fault("block", "blocked forward in stage 1", 1, StageState.STALLED, 4.0),
+    Fault("raise", "forward raising in stage 2", 2, StageState.DEAD, 1.5),
+    Fault("kill", "SIGKILL of stage 1's engine core", 1, StageState.DEAD, 1.5),
 )
 
 
@@ -163,6 +171,8 @@ class FaultRun:
     to_dead_s: float | None = None
     dead_only_after_ladder: bool = False
     outcome: str = "not started"
+    steps: str = ""  # the incident's steps, each with its outcome and duration
+    floor_s: float | None = None  # what the verdict cannot beat: see `floor_of`
 
 
 @dataclass
@@ -316,6 +326,10 @@ async def fault_scenario(server: VllmServer, faults: Any, fault: Fault, workdir:
         with contextlib.suppress(TimeoutError):
             incident = await wait_for(lambda: closed_incident(watchdog), 30.0)
             run.outcome = incident.outcome.value
+            run.steps = ", ".join(
+                f"{s.step.value} {s.outcome.value} {s.duration:.2f} s" for s in incident.steps
+            )
+            run.floor_s = floor_of(fault, incident, fault_at)
             acted_at = next(
                 (s.started - wall_minus_monotonic for s in incident.steps if s.step in ACTING),
                 None,
@@ -328,6 +342,20 @@ async def fault_scenario(server: VllmServer, faults: Any, fault: Fault, workdir:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
     return run
+
+
+def floor_of(fault: Fault, incident: Incident, fault_at: float) -> float | None:
+    """A death's floor is its exit notice (fault -> the exit's evidence, monotonic like
+    `fault_at`: the watchdog runs in this process); a stall's the heartbeat timeout."""
+    if fault.expected is StageState.STALLED:
+        return float(AT_DEFAULTS["detection"]["heartbeat_timeout"])
+    exits = [
+        e.since
+        for v in incident.verdicts
+        for e in v.evidence
+        if e.kind is EvidenceKind.PROCESS_EXIT
+    ]
+    return min(exits) - fault_at if exits else None
 
 
 def measure_fault(fault: Fault, model: Path, workdir: Path, tally: Tally) -> FaultRun:
@@ -360,31 +388,45 @@ def in_seconds(value: float | None, otherwise: str = "-") -> str:
 
 
 def seconds(values: list[float]) -> str:
-    if not values:
-        return "-"
-    median = statistics.median(values)
-    return f"{median:.2f} s (median; {min(values):.2f} - {max(values):.2f})"
+    return spread(values) if values else "-"
 
 
-def within(values: list[float], runs: int, target: float, missing: str = "measured") -> str:
+def within(
+    values: list[float], runs: int, target: float, missing: str = "measured", at_p95: bool = False
+) -> str:
     if len(values) < runs:
         return f"FAIL (not {missing} in every run)"
-    return "pass" if statistics.median(values) <= target else "FAIL"
+    measured = p95(values) if at_p95 else statistics.median(values)
+    return "pass" if measured <= target else "FAIL"
+
+
+def beside_floor(verdicts: list[float], floors: list[float], floor_is: str) -> str:
+    if not verdicts or not floors:
+        return ""
+    floor, median = statistics.median(floors), statistics.median(verdicts)
+    ratio = f"{median / floor:.1f}" if floor > 0 else "-"
+    return (
+        f"; floor ({floor_is}) {floor:.2f} s: median - floor {median - floor:.2f} s,"
+        f" median / floor {ratio}"
+    )
 
 
 def fault_rows(fault: Fault, runs: list[FaultRun]) -> list[tuple[str, str, str, str]]:
     verdicts = [r.to_verdict_s for r in runs if r.to_verdict_s is not None]
+    floors = [r.floor_s for r in runs if r.floor_s is not None]
     gones = [r.to_gone_s for r in runs if r.to_gone_s is not None]
     states = sorted({r.state_seen.value for r in runs if r.state_seen is not None})
     outcomes = sorted({r.outcome for r in runs})
     label = f"{fault.label}, {len(runs)} runs, outcomes {outcomes}"
-    target = f"<= {fault.verdict_target_s:g} s"
+    at = "at p95" if fault.verdict_at_p95 else "median"
+    target = f"<= {fault.verdict_target_s:g} s ({at})"
+    floor_is = "the heartbeat timeout" if fault.verdict_at_p95 else "the exit notice"
     rows = [
         (
             f"{label}: fault -> first verdict ({'/'.join(states) or 'none'})",
-            seconds(verdicts),
+            seconds(verdicts) + beside_floor(verdicts, floors, floor_is),
             target,
-            within(verdicts, len(runs), fault.verdict_target_s),
+            within(verdicts, len(runs), fault.verdict_target_s, at_p95=fault.verdict_at_p95),
         )
     ]
     if fault.expected is StageState.DEAD:
@@ -415,6 +457,8 @@ def fault_rows(fault: Fault, runs: list[FaultRun]) -> list[tuple[str, str, str, 
 def run_faults(
     chosen: list[Fault], runs: int, model: Path, workdir: Path, tally: Tally
 ) -> list[tuple[str, str, str, str]]:
+    """Each fault's rows, recorded as soon as it is measured; the rows of the faults not
+    chosen stay as they were."""
     rows: list[tuple[str, str, str, str]] = []
     for fault in chosen:
         measured = []
@@ -426,11 +470,22 @@ def run_faults(
                 f"{fault.label} run {index + 1}: first verdict {in_seconds(run.to_verdict_s)}"
                 f" ({run.state_seen.value if run.state_seen else '-'}),"
                 f" dead {in_seconds(run.to_dead_s, dead)},"
-                f" tree gone {in_seconds(run.to_gone_s)}, {run.outcome}",
+                f" tree gone {in_seconds(run.to_gone_s)}, {run.outcome} ({run.steps})",
                 flush=True,
             )
         rows += fault_rows(fault, measured)
+        record(FAULTS_SECTION, with_other_faults(rows), faults_note())
     return rows
+
+
+def with_other_faults(rows: list[tuple[str, str, str, str]]) -> list[tuple[str, str, str, str]]:
+    """`rows`, and the recorded rows of every fault they do not measure, in FAULTS' order."""
+    recorded = recorded_rows(FAULTS_SECTION)
+    merged: list[tuple[str, str, str, str]] = []
+    for fault in FAULTS:
+        mine = [row for row in rows if row[0].startswith(f"{fault.label}, ")]
+        merged += mine or [row for row in recorded if row[0].startswith(f"{fault.label}, ")]
+    return merged
 
 
 def faults_note() -> str:
@@ -450,7 +505,10 @@ def faults_note() -> str:
         "SIGKILL sent; the first verdict is the detector's first STALLED or DEAD for the "
         "stage (the ladder starts there), dead its first DEAD if that came before the "
         "ladder's first shutdown or signal; tree gone: no process of the server's tree left. "
-        "Medians with min - max; `python benchmarks/bench_real_omni.py --only faults`."
+        "The verdicts' targets are the simulated server's. Each verdict is shown beside its "
+        "floor: a death's exit notice (fault -> the exit's evidence, in the same run), a "
+        "stall's heartbeat timeout. Medians and 95th percentiles with min - max; "
+        "`python benchmarks/bench_real_omni.py --only faults --runs 20`."
     )
 
 
@@ -842,7 +900,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["faults", "overhead", "bf16", "soak"])
     parser.add_argument("--soak-seconds", type=float, default=600.0)
-    parser.add_argument("--runs", type=int, default=3, help="fresh servers per fault")
+    parser.add_argument(
+        "--runs", type=int, default=20, help="fresh servers per fault (about 2 min each)"
+    )
     parser.add_argument(
         "--fault",
         action="append",
@@ -873,7 +933,6 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [f for f in FAULTS if not args.fault or f.word in args.fault]
         rows = run_faults(chosen, args.runs, omni_model, workdir / "faults", tally)
         failed = failed or any(row[3].startswith("FAIL") for row in rows)
-        record(FAULTS_SECTION, rows, faults_note())
         print("\n".join(" | ".join(row) for row in rows), flush=True)
     if "soak" in parts:
         rows = run_soak(args.soak_seconds, omni_model, workdir / "soak", tally)

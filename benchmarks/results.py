@@ -75,6 +75,23 @@ def record(
         update_readme()
 
 
+def table_rows(text: str) -> list[tuple[str, str, str, str]]:
+    """The figure | measured | target | verdict rows of a section's table."""
+    rows = []
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not line.startswith("|") or cells[0] in ("figure", "---"):
+            continue
+        rows.append((cells[0], cells[1], cells[2], cells[3]))
+    return rows
+
+
+def recorded_rows(section: str, path: Path = RESULTS_PATH) -> list[tuple[str, str, str, str]]:
+    """The rows `section` of the results file holds now; none if it has no such section."""
+    sections = split_sections(path.read_text()) if path.exists() else {}
+    return table_rows(sections.get(section, ""))
+
+
 def readme_table(results: str) -> str:
     """The README's summary of `results`: the machine, then every figure with a target."""
     machine = _MACHINE.search(results)
@@ -86,13 +103,10 @@ def readme_table(results: str) -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for section, text in split_sections(results).items():
-        for line in text.splitlines():
-            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-            if len(cells) != 4 or not line.startswith("|") or cells[0] in ("figure", "---"):
+        for row in table_rows(text):
+            if row[2] in ("information", "-"):
                 continue
-            if cells[2] in ("information", "-"):
-                continue
-            lines.append(f"| {section} | {' | '.join(cells)} |")
+            lines.append(f"| {section} | {' | '.join(row)} |")
     return "\n".join(lines)
 
 

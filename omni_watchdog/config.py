@@ -380,7 +380,8 @@ class LadderConfig:
     self_exit_grace: float = _duration(
         5.0,
         "When the server itself answers 503, wait this long for it to exit on its own"
-        " (vLLM exits about 3 s after its engine dies) before asking it to.",
+        " (vLLM exits about 3 s after its engine dies) before asking it to; not for a"
+        " vLLM-Omni 0.30 server, which never does.",
         minimum=0.1,
         maximum=_HOUR,
     )

@@ -29,7 +29,7 @@ import psutil
 
 from omni_watchdog.config import WatchdogConfig, load_config, merge_layers
 from omni_watchdog.log import configure_logging
-from omni_watchdog.sim.faults import parse_fault
+from omni_watchdog.sim.faults import FaultError, check_generation, parse_fault
 from omni_watchdog.types import Incident, IncidentOutcome, StepOutcome
 
 REPORT_REQUEST: dict[str, Any] = {
@@ -368,6 +368,11 @@ async def send_request(url: str) -> None:
 
 
 def run_demo(fault: str, generation: str, as_json: bool = False) -> int:
+    try:
+        check_generation(parse_fault(fault).kind, generation)
+    except FaultError as error:
+        print(f"omni-watchdog demo: --fault {fault}: {error}", file=sys.stderr)
+        return 2
     workdir = Path(tempfile.mkdtemp(prefix="omni-watchdog-demo-"))
     # The timeline is the demo's output; the watchdog's own JSON log goes beside the bundle.
     log_path = workdir / "watchdog.log"

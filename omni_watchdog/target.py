@@ -9,7 +9,7 @@ from omni_watchdog.policy.actuators import is_alive
 from omni_watchdog.policy.incidents import JournalEntry
 from omni_watchdog.policy.ladder import TargetSnapshot, gpu_baseline, gpu_held
 from omni_watchdog.probes.gpu import GpuProbe
-from omni_watchdog.probes.processes import ProcessTracker
+from omni_watchdog.probes.processes import ProcessTracker, keeps_serving_after_a_stage_death
 from omni_watchdog.types import (
     GpuReading,
     HealthOutcome,
@@ -112,6 +112,7 @@ class TargetWatch:
             gpu_baseline(reading, recorded),
             self._reports_failure,
             gpu_held(reading, recorded),
+            may_exit_by_itself=not keeps_serving_after_a_stage_death(recorded),
         )
 
     async def snapshot_of_entry(self, entry: JournalEntry) -> TargetSnapshot:

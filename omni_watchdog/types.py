@@ -186,6 +186,9 @@ class ProcessInfo:
     role: ProcessRole
     stage: StageRef | None = None
     orphaned: bool = False
+    # How long it has waited, runnable, for a CPU (the kernel's run-queue delay); 0 where
+    # the kernel does not say.
+    cpu_wait_seconds: float = 0.0
 
     @property
     def identity(self) -> ProcessIdentity:

@@ -62,6 +62,9 @@ _EXIT_SETTLE = 1.0
 # Stage replicas tracked beyond the topology (named by process titles), and processes per
 # stage replica: a tree that names thousands must not make thousands of series.
 MAX_EXTRA_STAGES = 64
+# A process that waited for a CPU at least this share of the time between two readings was
+# starved by its neighbours: its silence says nothing about its own loop.
+STARVED_WAIT_SHARE = 0.1
 MAX_PROCESSES_PER_STAGE = 512
 
 
@@ -72,6 +75,8 @@ class _ProcessMemory:
     cpu_changed_at: float
     exited_at: float | None = None
     runnable_seen_at: float | None = None
+    seen_at: float = 0.0
+    starved_seen_at: float | None = None
 
 
 @dataclass
@@ -323,7 +328,7 @@ class Detector:
         if known is None and len(memory.processes) >= MAX_PROCESSES_PER_STAGE:
             return
         if known is None or not known.info.identity.matches(info.identity):
-            known = _ProcessMemory(info, obs.time, obs.time)
+            known = _ProcessMemory(info, obs.time, obs.time, seen_at=obs.time)
             memory.processes[info.pid] = known
         if exited or info.status is ProcessStatus.ZOMBIE:
             if known.exited_at is None:
@@ -340,6 +345,11 @@ class Detector:
             known.cpu_changed_at = obs.time
         if info.status is ProcessStatus.RUNNING:
             known.runnable_seen_at = obs.time
+        between = obs.time - known.seen_at
+        waited = info.cpu_wait_seconds - known.info.cpu_wait_seconds
+        if between > 0 and waited >= STARVED_WAIT_SHARE * between:
+            known.starved_seen_at = obs.time
+        known.seen_at = obs.time
         known.info = info
 
     def _on_gpu_process(self, obs: Observation) -> None:
@@ -502,6 +512,8 @@ class Detector:
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
         if confirmed and (held_up or not self._progressing(memory, now)):
+            if self._starved(memory, now) and not self._stood(evidence, now):
+                return StageState.DEGRADED
             return StageState.STALLED
         return StageState.DEGRADED
 
@@ -532,8 +544,30 @@ class Detector:
 
     def _confirmed(self, evidence: list[Evidence], now: float) -> bool:
         counted = [e for e in evidence if e.kind not in _CONSEQUENCES]
-        return len({e.kind for e in counted}) >= 2 or any(
-            now - e.since >= self._config.confirm_timeout for e in counted
+        return len({e.kind for e in counted}) >= 2 or self._stood(evidence, now)
+
+    def _stood(self, evidence: list[Evidence], now: float) -> bool:
+        """One kind of evidence has held for `confirm_timeout`: it is enough on its own."""
+        return any(
+            now - e.since >= self._config.confirm_timeout
+            for e in evidence
+            if e.kind not in _CONSEQUENCES
+        )
+
+    def _starved(self, memory: _StageMemory, now: float) -> bool:
+        """A live process of the stage has been waiting for a CPU since its loop last beat
+        and lately (a host loaded by its neighbours). Its lost heartbeats, late spans and
+        failed canary are then the host's doing as much as its own: they count only once
+        one of them has held for `confirm_timeout`. A stopped process is not starved."""
+        live = [p for p in memory.processes.values() if p.exited_at is None]
+        if any(p.info.status is ProcessStatus.STOPPED for p in live):
+            return False
+        beat = memory.last_heartbeat or 0.0
+        return any(
+            p.starved_seen_at is not None
+            and p.starved_seen_at >= beat
+            and now - p.starved_seen_at <= self._config.heartbeat_timeout
+            for p in live
         )
 
     def _head_verdict(self, statuses: list[StageStatus], now: float) -> list[Verdict]:

@@ -80,6 +80,9 @@ class TargetSnapshot:
     gpu_baseline: Mapping[int, float] | None
     server_reports_failure: bool = False
     gpu_held_at_open: float = 0.0
+    # False for a server known to stay up after a stage death (vLLM-Omni 0.30): waiting for
+    # it to exit by itself would only hold the ladder back.
+    may_exit_by_itself: bool = True
 
     @property
     def identities(self) -> tuple[ProcessIdentity, ...]:
@@ -313,7 +316,11 @@ class LadderRunner:
                 snapshot, f"{EXITED_BY_ITSELF} before the ladder reached it"
             )
             return StepOutcome.SKIPPED, detail, True
-        if snapshot.server_reports_failure and snapshot.root is not None:
+        if (
+            snapshot.server_reports_failure
+            and snapshot.may_exit_by_itself
+            and snapshot.root is not None
+        ):
             grace = self._config.self_exit_grace
             if await self._wait_exit(snapshot.root, grace):
                 detail = await self._after_self_exit(

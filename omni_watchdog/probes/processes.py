@@ -87,6 +87,7 @@ class _Snapshot:
     title: str
     status: ProcessStatus
     cpu_seconds: float
+    cpu_wait_seconds: float
 
     @property
     def identity(self) -> ProcessIdentity:
@@ -104,6 +105,7 @@ class _Snapshot:
             cpu_seconds=self.cpu_seconds,
             role=role,
             stage=stage,
+            cpu_wait_seconds=self.cpu_wait_seconds,
         )
 
 
@@ -149,9 +151,11 @@ class ProcessTracker:
         server_topology: Callable[[int], Topology | None] = lambda pid: None,
         exit_notices: ExitNotices | None = None,
         headless: bool = False,
+        cpu_wait: Callable[[int], float] = lambda pid: 0.0,
     ) -> None:
         """`headless`: without a pid, the server is found by its `--headless` command line
-        (a vLLM-Omni 0.30 stage server on this host), not by a listening port."""
+        (a vLLM-Omni 0.30 stage server on this host), not by a listening port. `cpu_wait`
+        reads how long a process has waited for a CPU (`read_cpu_wait` for this kernel's)."""
         if pid is None and target_port is None and not headless:
             raise ValueError("ProcessTracker needs the server's pid or its port")
         self._headless = headless
@@ -166,6 +170,7 @@ class ProcessTracker:
         self._start_time_of_ticks = start_time_of_ticks
         self._server_topology = server_topology
         self._exits = exit_notices
+        self._cpu_wait = cpu_wait
         self._current: _Generation | None = None
         self._previous: _Generation | None = None
         self._learned: dict[int, tuple[StageRef, ProcessRole | None]] = {}
@@ -675,6 +680,7 @@ class ProcessTracker:
             title=title,
             status=status,
             cpu_seconds=cpu_seconds,
+            cpu_wait_seconds=self._cpu_wait(process.pid),
         )
 
     def _not_found_reason(self) -> str:
@@ -685,12 +691,29 @@ class ProcessTracker:
         return f"no process listens on port {self._port}"
 
 
+def read_cpu_wait(pid: int) -> float:
+    """Seconds `pid` has spent runnable but waiting for a CPU (/proc/<pid>/schedstat, its
+    second field, in ns); 0 when the kernel does not say."""
+    try:
+        fields = (process_start.PROC / str(pid) / "schedstat").read_text().split()
+        return int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def is_headless_stage_server(argv: Sequence[str]) -> bool:
     """A command line that starts a vLLM-Omni 0.30 stage without its API (`vllm serve …
     --omni --stage-id N --headless`, or the simulator's imitation of it)."""
     return "--headless" in argv and any(
         part == "--stage-id" or part.startswith("--stage-id=") for part in argv
     )
+
+
+def keeps_serving_after_a_stage_death(processes: Iterable[ProcessInfo]) -> bool:
+    """The tree is vLLM-Omni 0.30's (stage replicas titled as such): a dead stage leaves its
+    API up, answering 503, for good, and it never exits by itself (measured on the real
+    server). vLLM and vLLM-Omni 0.11 exit within seconds of their engine's death."""
+    return any(STAGE_ENGINE_TITLE.search(info.title) for info in processes)
 
 
 def _titled_stage(title: str) -> StageRef | None:

@@ -145,17 +145,13 @@ class SimEngine:
             FaultKind.STAGE_DEAD_503,
         ):
             if faults.take(kind):
-                self.die(kind)
+                self.die()
         self._gpu.set_utilization(self.spec.device, BUSY_PERCENT)
 
-    def die(self, kind: FaultKind) -> None:
+    def die(self) -> None:
         """Log the report's fatal error and exit the process at once."""
         sys.stderr.write(f"ERROR EngineCore encountered a fatal error.\n{INDUCTOR_TRACEBACK}")
         sys.stderr.flush()
-        if kind is FaultKind.ENGINE_DEAD_EXIT and self.spec.generation == "0.30":
-            # The replica is the engine: it tells the orchestrator itself, as vLLM's
-            # engine does when its busy loop fails, before going.
-            self._emit({"type": "fatal", "error": f"EngineDeadError: {ENGINE_DEAD_MESSAGE}"})
         self._flush_emitter()
         os._exit(1)
 

@@ -51,8 +51,14 @@ REQUEST_TRIGGERED = frozenset(
 TARGET_WIDE = frozenset(
     {FaultKind.IGNORE_SIGTERM, FaultKind.ORPHANED_STAGES, FaultKind.SLOW_STARTUP}
 )
-# Faults that only one process model has.
-ONLY_IN = {FaultKind.ENGINE_DEAD_HANG: "0.11", FaultKind.STAGE_DEAD_503: "0.30"}
+# Faults that only one process model has. The real vLLM-Omni 0.30 keeps its API up,
+# answering 503, after any stage death: an engine death that takes the server down with it
+# is 0.11's (and plain vLLM's).
+ONLY_IN = {
+    FaultKind.ENGINE_DEAD_HANG: "0.11",
+    FaultKind.ENGINE_DEAD_EXIT: "0.11",
+    FaultKind.STAGE_DEAD_503: "0.30",
+}
 # Faults that shape start-up and so cannot be injected into a running server.
 START_ONLY = frozenset({FaultKind.SLOW_STARTUP})
 
@@ -103,6 +109,13 @@ def _kind(text: Any) -> FaultKind:
         raise FaultError(f"unknown fault {text!r}; known: {known}") from None
 
 
+def check_generation(kind: FaultKind, generation: str) -> None:
+    """Raise `FaultError` if `kind` exists only in the other process model."""
+    only = ONLY_IN.get(kind)
+    if only is not None and only != generation:
+        raise FaultError(f"{kind.value} exists only in generation {only}")
+
+
 def check_fault(
     fault: Fault,
     generation: str,
@@ -111,9 +124,7 @@ def check_fault(
 ) -> None:
     """Raise `FaultError` unless `fault` applies to this generation and topology; a stage in
     `remote` runs headless elsewhere, out of this server's reach."""
-    only = ONLY_IN.get(fault.kind)
-    if only is not None and only != generation:
-        raise FaultError(f"{fault.kind.value} exists only in generation {only}")
+    check_generation(fault.kind, generation)
     if fault.kind in TARGET_WIDE:
         return
     if fault.stage in remote:

@@ -48,9 +48,16 @@ ROOT = ProcessInfo(100, 1.0, 1, 100, 100, "api", ProcessStatus.SLEEPING, 1.0, Pr
 
 
 def process(
-    pid: int, stage: StageRef, role: ProcessRole, status: ProcessStatus, cpu: float = 1.0
+    pid: int,
+    stage: StageRef,
+    role: ProcessRole,
+    status: ProcessStatus,
+    cpu: float = 1.0,
+    cpu_wait: float = 0.0,
 ) -> ProcessInfo:
-    return ProcessInfo(pid, 2.0, 100, 100, 100, role.value, status, cpu, role, stage)
+    return ProcessInfo(
+        pid, 2.0, 100, 100, 100, role.value, status, cpu, role, stage, cpu_wait_seconds=cpu_wait
+    )
 
 
 @dataclass
@@ -67,6 +74,9 @@ class World:
     tokens: dict[StageRef, float] = field(default_factory=dict)
     # Stage spans each second, as a forger could send them for any stage.
     spans: set[StageRef] = field(default_factory=set)
+    # Stages whose engines wait for a CPU half of each second: neighbours load the host.
+    starved: set[StageRef] = field(default_factory=set)
+    waited: dict[StageRef, float] = field(default_factory=dict)
 
     def tick(self, now: float, second: int) -> list[Observation]:
         out: list[Observation] = [
@@ -82,7 +92,9 @@ class World:
             out.append(Observation(ObservationKind.LOAD, now, ref, self.load.get(ref, 0.0)))
         for pid, (ref, status) in enumerate(self.engines.items(), start=200):
             cpu = float(second) if self.cpu_moving else 1.0
-            info = process(pid, ref, ProcessRole.ENGINE, status, cpu)
+            if ref in self.starved:
+                self.waited[ref] = self.waited.get(ref, 0.0) + 0.5
+            info = process(pid, ref, ProcessRole.ENGINE, status, cpu, self.waited.get(ref, 0.0))
             out.append(Observation(ObservationKind.PROCESS, now, process=info, outcome=status))
         if self.canary is not None:
             out.append(Observation(ObservationKind.CANARY, now, outcome=self.canary))
@@ -1056,3 +1068,75 @@ def test_a_clean_stop_that_frees_the_memory_is_no_verdict() -> None:
     """The server stops on purpose: the engine goes a moment before the server, and the
     memory with it; no verdict."""
     assert replica_death(ReplicaDeath(server_stops_at=10.4)) == []
+
+
+SILENT_FROM = 10  # the talker's loop last beats at second 9; warm from second 5
+
+
+def talker_silent_from(
+    second_of_silence: int, back_at: int | None = None
+) -> Callable[[World, int], None]:
+    """The talker stops beating and the canary times out from `second_of_silence`; both
+    come back at `back_at`, if given."""
+
+    def change(world: World, second: int) -> None:
+        silent = second >= second_of_silence and (back_at is None or second < back_at)
+        world.heartbeats = {S0, S2} if silent else {S0, S1, S2}
+        world.canary = HealthOutcome.TIMEOUT if silent else HealthOutcome.OK
+
+    return change
+
+
+# name, world, seconds, the first verdict on the talker (second, state) or None
+STARVATION = [
+    (
+        "silent, the canary failing, waiting for no CPU: stalled at the heartbeat timeout",
+        World(engines={S1: ProcessStatus.SLEEPING}),
+        30,
+        None,
+        (SILENT_FROM + 3, StageState.STALLED),
+    ),
+    (
+        "the same, its engine starved of CPU: stalled once the canary's failure stood",
+        World(engines={S1: ProcessStatus.RUNNING}, starved={S1}),
+        30,
+        None,
+        (SILENT_FROM + 10, StageState.STALLED),
+    ),
+    (
+        "starved and silent for 8 s, then beating again: no verdict",
+        World(engines={S1: ProcessStatus.RUNNING}, starved={S1}),
+        40,
+        SILENT_FROM + 8,
+        None,
+    ),
+    (
+        "starved, but its engine stopped (SIGSTOP): stalled as the canary fails",
+        World(engines={S1: ProcessStatus.STOPPED}, starved={S1}),
+        30,
+        None,
+        (SILENT_FROM, StageState.STALLED),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("world", "seconds", "back_at", "verdict"),
+    [row[1:] for row in STARVATION],
+    ids=[row[0] for row in STARVATION],
+)
+def test_a_stage_starved_of_cpu_is_judged_only_once_its_silence_stood(
+    world: World,
+    seconds: int,
+    back_at: int | None,
+    verdict: tuple[int, StageState] | None,
+) -> None:
+    """Measured: a real vLLM-Omni under load lost 2-4 s of heartbeats in two stages at once
+    while another server started beside it on two cores, and the canary timed out with
+    them; both were well again a second later. A stage that waits for a CPU is not stuck."""
+    world.canary = HealthOutcome.OK
+    reports = run(THREE_STAGES, world, seconds, talker_silent_from(SILENT_FROM, back_at))
+    found = first_verdict(reports)
+    assert (found and (found[0], found[1].stage, found[1].state)) == (
+        verdict and (verdict[0], S1, verdict[1])
+    )

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from omni_watchdog.config import merge_layers
 from omni_watchdog.demo import closed_incident, send_request, wait_for
 from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
 
@@ -44,6 +45,10 @@ FAST: dict[str, Any] = {
     },
 }
 SIM_ENV = {"OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5"}
+# A server that crashes by itself: vLLM takes about 3 s from its 503 to its exit, the
+# simulator about 1 s, and over 5 s once on two busy cores. A test of the crash waits
+# long enough for it to happen.
+WAITS_FOR_A_CRASH = merge_layers(FAST, {"ladder": {"self_exit_grace": "15s"}})
 RECOVERED = {
     IncidentOutcome.RECOVERED_BY_SHUTDOWN,
     IncidentOutcome.RECOVERED_BY_TERM,

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e.harness import FAST, SIM_ENV, in_background, incident_done, run_scenario, warmed_up
+from e2e.harness import (
+    SIM_ENV,
+    WAITS_FOR_A_CRASH,
+    in_background,
+    incident_done,
+    run_scenario,
+    warmed_up,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from omni_watchdog.cli import EXIT_CANNOT_START, EXIT_CONFIG
@@ -91,7 +98,7 @@ def test_run_command_attaches_and_stops_on_sigterm(tmp_path: Path) -> None:
 def test_a_crashed_server_is_recorded_and_its_successor_attached(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with attached(
-            tmp_path, ["1:engine-dead-exit"], "0.11", "enforce", FAST, None, SIM_ENV
+            tmp_path, ["1:engine-dead-exit"], "0.11", "enforce", WAITS_FOR_A_CRASH, None, SIM_ENV
         ) as (watchdog, server):
             await warmed_up(watchdog)
             in_background(server.url)

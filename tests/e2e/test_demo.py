@@ -13,6 +13,19 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.parametrize(
+    ("fault", "generation"),
+    [("1:engine-dead-exit", "0.30"), ("1:stage-dead-503", "0.11"), ("1:no-such-fault", "0.11")],
+)
+def test_a_fault_the_demo_cannot_inject_is_one_line_and_exit_2(fault: str, generation: str) -> None:
+    command = [sys.executable, "-m", "omni_watchdog.cli", "demo", "--fault", fault]
+    command += ["--model-generation", generation]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"omni-watchdog demo: --fault {fault}: ")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def test_the_demo_prints_the_timeline_and_exits_0_once_memory_is_released() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "omni_watchdog.cli", "demo", "--json"],

@@ -162,7 +162,8 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
             assert target_health(watchdog.state)[0] == 200
             rejected = watchdog.receiver.stats.spans_rejected
             assert rejected["unknown_sender"] > 0 and rejected["unknown_stage"] > 0
-            assert watchdog.detector.in_flight(0) == 0
+            # The canary's own request may still be on its way through: only it counts.
+            await wait_for(lambda: watchdog.detector.in_flight(0) == 0, 10)
             assert await metrics_series(watchdog) == series
 
     run_scenario(scenario())

@@ -17,6 +17,7 @@ from e2e.harness import (
     FAST,
     RECOVERED,
     SIM_ENV,
+    WAITS_FOR_A_CRASH,
     assert_released,
     in_background,
     incident_done,
@@ -285,8 +286,7 @@ def test_zombie_is_reported_not_remediated(tmp_path: Path, generation: str) -> N
     run(tmp_path, ["1:zombie"], generation, body, remediated=False)
 
 
-@pytest.mark.parametrize("generation", ["0.11", "0.30"])
-def test_engine_dead_exit_is_a_crash_not_a_clean_stop(tmp_path: Path, generation: str) -> None:
+def test_engine_dead_exit_is_a_crash_not_a_clean_stop(tmp_path: Path) -> None:
     async def body(watchdog: Any, server: Any) -> None:
         await warmed_up(watchdog)
         in_background(server.url)
@@ -297,7 +297,7 @@ def test_engine_dead_exit_is_a_crash_not_a_clean_stop(tmp_path: Path, generation
         assert not any(s.outcome is StepOutcome.RECOVERED for s in incident.steps)
         assert_released(incident)
 
-    run(tmp_path, ["1:engine-dead-exit"], generation, body, mode="enforce")
+    run(tmp_path, ["1:engine-dead-exit"], "0.11", body, config=WAITS_FOR_A_CRASH)
 
 
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])

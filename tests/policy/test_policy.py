@@ -9,7 +9,8 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -36,6 +37,8 @@ from omni_watchdog.policy.ladder import (
     gpu_baseline,
     ladder_from_config,
 )
+from omni_watchdog.probes.processes import ProcessTracker
+from omni_watchdog.target import TargetWatch
 from omni_watchdog.types import (
     DetectorReport,
     Evidence,
@@ -43,10 +46,13 @@ from omni_watchdog.types import (
     GpuDevice,
     GpuProcess,
     GpuReading,
+    HealthOutcome,
     Incident,
     IncidentOutcome,
     LockStatus,
     Mode,
+    Observation,
+    ObservationKind,
     ProcessIdentity,
     ProcessInfo,
     ProcessRole,
@@ -756,6 +762,41 @@ def test_a_server_that_answers_503_and_exits_by_itself_crashed(
     assert incident.crashed and "the server crashed" in incident.cause
     assert step_detail(incident, StepName.SHUTDOWN).startswith("the server exited by itself")
     assert ("killpg", 100, TERM) not in fake_psutil.signals or leftover
+
+
+@pytest.mark.parametrize(
+    ("engine_title", "waited"),
+    [
+        # vLLM and vLLM-Omni 0.11 exit by themselves seconds after their engine dies.
+        ("VLLM::EngineCore", LadderConfig().self_exit_grace),
+        # vLLM-Omni 0.30 answers 503 after a stage death for good: nothing to wait for.
+        ("VLLM::StageEngineCoreProc_stage1_replica0", 0.0),
+    ],
+)
+def test_only_a_server_that_can_exit_by_itself_is_given_time_to(
+    tmp_path: Path, fake_psutil: FakePsutil, engine_title: str, waited: float
+) -> None:
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    rig.processes[-1] = dataclasses.replace(rig.processes[-1], title=engine_title)
+    tracker = cast(ProcessTracker, SimpleNamespace(recorded=lambda: tuple(rig.processes)))
+    target = TargetWatch(
+        "http://127.0.0.1:1",
+        tracker,
+        None,
+        fake_psutil,
+        fake_psutil.start_time,
+        by_process=True,
+        on_gpu_failure=lambda reason: None,
+    )
+    target.observe([Observation(ObservationKind.HEALTH, 999.0, outcome=HealthOutcome.UNHEALTHY)])
+    rig.snapshot = target.snapshot  # type: ignore[method-assign]
+    incident = run_incident(rig)
+    assert incident is not None and incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    shutdown = next(s for s in incident.steps if s.step is StepName.SHUTDOWN)
+    # The request itself is refused at once: the step lasts what was waited before it.
+    assert shutdown.outcome is StepOutcome.UNREACHABLE
+    assert shutdown.duration == pytest.approx(waited, abs=0.5)
 
 
 def step_detail(incident: Incident, name: StepName) -> str:

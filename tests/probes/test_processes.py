@@ -24,7 +24,7 @@ from fakes import SERVER_PORT, FakePsutil
 from omni_watchdog.clock import FakeClock, SystemClock
 from omni_watchdog.policy.actuators import SignalGuard, is_alive
 from omni_watchdog.probes.exits import ExitNotices
-from omni_watchdog.probes.processes import ProcessTracker
+from omni_watchdog.probes.processes import ProcessTracker, read_cpu_wait
 from omni_watchdog.process_start import start_time
 from omni_watchdog.types import (
     Observation,
@@ -61,7 +61,10 @@ def groups_of(pid: int) -> tuple[int, int]:
 
 
 def fake_tracker(
-    table: FakePsutil, pid: int | None = None, topology: Topology = TWO_STAGES
+    table: FakePsutil,
+    pid: int | None = None,
+    topology: Topology = TWO_STAGES,
+    cpu_wait: Callable[[int], float] = lambda pid: 0.0,
 ) -> ProcessTracker:
     return ProcessTracker(
         table,
@@ -74,6 +77,7 @@ def fake_tracker(
         start_time=table.start_time,
         # The fake's start times are whole seconds: a tick is a second here.
         start_time_of_ticks=float,
+        cpu_wait=cpu_wait,
     )
 
 
@@ -797,3 +801,22 @@ def test_a_new_topology_maps_0_11_stage_workers_it_names() -> None:
     collect(tracker)
     assert roles(tracker)[130] == (ProcessRole.STAGE, StageRef(2))
     assert tracker.knows(StageRef(2))
+
+
+def test_each_process_carries_how_long_it_waited_for_a_cpu() -> None:
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve --omni")
+    table.add(101, 100, "VLLM::StageEngineCoreProc_stage0_replica0_DP0")
+    table.listening = [100]
+    tracker = fake_tracker(table, cpu_wait=lambda pid: pid / 100)
+    collect(tracker)
+    assert {pid: info.cpu_wait_seconds for pid, info in by_pid(tracker).items()} == {
+        100: 1.0,
+        101: 1.01,
+    }
+
+
+def test_the_kernels_run_queue_delay_is_read_and_a_missing_one_is_zero() -> None:
+    schedstat = Path(f"/proc/{os.getpid()}/schedstat").read_text().split()
+    assert read_cpu_wait(os.getpid()) >= int(schedstat[1]) / 1e9
+    assert read_cpu_wait(2**22 + 1) == 0.0  # above any pid the kernel hands out

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from e2e.harness import RECOVERED, incident_done
-from real_omni.judging import in_background, verdict_on, wait_for_async
+from real_omni.judging import in_background, step_of, verdict_on, wait_for_async
 from real_omni.server import OmniServer, engine_of, watched
 from real_vllm.client import (
     evidence_kinds,
@@ -30,10 +30,13 @@ from omni_watchdog.types import (
     IncidentOutcome,
     StageRef,
     StageState,
+    StepName,
 )
 
 # A server of its own takes two minutes and more to start on two busy cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+# Long enough that a ladder waiting for vLLM-Omni 0.30 to exit by itself would show.
+SELF_EXIT_GRACE_S = 60.0
 
 
 def test_forward_that_raises_kills_the_stage_and_the_server_is_ended(
@@ -66,9 +69,13 @@ def test_killed_stage_engine_is_dead_and_the_server_left_at_503_is_ended(
     server, _ = fresh_omni()
     talker = StageRef(1)
     engine = engine_of(server, talker.stage_id)
+    patient = {"ladder": {"self_exit_grace": f"{SELF_EXIT_GRACE_S:g}s"}}
 
     async def scenario() -> None:
-        async with watched(server, tmp_path) as watchdog, aiohttp.ClientSession() as session:
+        async with (
+            watched(server, tmp_path, overrides=patient) as watchdog,
+            aiohttp.ClientSession() as session,
+        ):
             server.signal(engine, signal.SIGKILL)
 
             async def unhealthy() -> bool:
@@ -81,6 +88,11 @@ def test_killed_stage_engine_is_dead_and_the_server_left_at_503_is_ended(
             verdict = verdict_on(incident, talker)
             assert verdict is not None and verdict.state is StageState.DEAD, incident
             assert EvidenceKind.PROCESS_EXIT in evidence_kinds(incident)
+            # vLLM-Omni 0.30 never exits by itself after a stage death: it is asked at
+            # once, without waiting self_exit_grace for it first.
+            shutdown = step_of(incident, StepName.SHUTDOWN)
+            assert shutdown is not None and shutdown.detail.startswith("202 "), incident.steps
+            assert shutdown.duration < SELF_EXIT_GRACE_S, incident.steps
             await gone(server, 15)
 
     asyncio.run(scenario())
