@@ -62,10 +62,10 @@ _EXIT_SETTLE = 1.0
 # Stage replicas tracked beyond the topology (named by process titles), and processes per
 # stage replica: a tree that names thousands must not make thousands of series.
 MAX_EXTRA_STAGES = 64
+MAX_PROCESSES_PER_STAGE = 512
 # A process that waited for a CPU at least this share of the time between two readings was
 # starved by its neighbours: its silence says nothing about its own loop.
 STARVED_WAIT_SHARE = 0.1
-MAX_PROCESSES_PER_STAGE = 512
 
 
 @dataclass
