@@ -512,7 +512,7 @@ class Detector:
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
         if confirmed and (held_up or not self._progressing(memory, now)):
-            if self._starved(memory, now) and not self._stood(evidence, now):
+            if self._starved(memory) and not self._stood(evidence, now):
                 return StageState.DEGRADED
             return StageState.STALLED
         return StageState.DEGRADED
@@ -554,21 +554,18 @@ class Detector:
             if e.kind not in _CONSEQUENCES
         )
 
-    def _starved(self, memory: _StageMemory, now: float) -> bool:
+    def _starved(self, memory: _StageMemory) -> bool:
         """A live process of the stage has been waiting for a CPU since its loop last beat
-        and lately (a host loaded by its neighbours). Its lost heartbeats, late spans and
-        failed canary are then the host's doing as much as its own: they count only once
-        one of them has held for `confirm_timeout`. A stopped process is not starved."""
+        (a host loaded by its neighbours). Its lost heartbeats, late spans and failed canary
+        are then the host's doing as much as its own: they count only once one of them has
+        held for `confirm_timeout`. The readings come when a loaded host lets the probe
+        run, so any one since the beat counts, however long ago. A stopped process is not
+        starved."""
         live = [p for p in memory.processes.values() if p.exited_at is None]
         if any(p.info.status is ProcessStatus.STOPPED for p in live):
             return False
         beat = memory.last_heartbeat or 0.0
-        return any(
-            p.starved_seen_at is not None
-            and p.starved_seen_at >= beat
-            and now - p.starved_seen_at <= self._config.heartbeat_timeout
-            for p in live
-        )
+        return any(p.starved_seen_at is not None and p.starved_seen_at >= beat for p in live)
 
     def _head_verdict(self, statuses: list[StageStatus], now: float) -> list[Verdict]:
         """The head's own verdict when its server has stayed unhealthy for `remote_grace`

@@ -77,6 +77,8 @@ class World:
     # Stages whose engines wait for a CPU half of each second: neighbours load the host.
     starved: set[StageRef] = field(default_factory=set)
     waited: dict[StageRef, float] = field(default_factory=dict)
+    # From this second on the processes probe gets no turn to read the engines.
+    engines_unread_from: int | None = None
 
     def tick(self, now: float, second: int) -> list[Observation]:
         out: list[Observation] = [
@@ -90,7 +92,8 @@ class World:
                 self.tokens[ref] = self.tokens.get(ref, 0.0) + 5
             out.append(Observation(ObservationKind.PROGRESS, now, ref, self.tokens.get(ref, 0.0)))
             out.append(Observation(ObservationKind.LOAD, now, ref, self.load.get(ref, 0.0)))
-        for pid, (ref, status) in enumerate(self.engines.items(), start=200):
+        unread = self.engines_unread_from is not None and second >= self.engines_unread_from
+        for pid, (ref, status) in enumerate({} if unread else self.engines.items(), start=200):
             cpu = float(second) if self.cpu_moving else 1.0
             if ref in self.starved:
                 self.waited[ref] = self.waited.get(ref, 0.0) + 0.5
@@ -1109,6 +1112,15 @@ STARVATION = [
         40,
         SILENT_FROM + 8,
         None,
+    ),
+    (
+        "starved once, early in its silence, and never read again: still starved",
+        World(
+            engines={S1: ProcessStatus.RUNNING}, starved={S1}, engines_unread_from=SILENT_FROM + 1
+        ),
+        30,
+        None,
+        (SILENT_FROM + 10, StageState.STALLED),
     ),
     (
         "starved, but its engine stopped (SIGSTOP): stalled as the canary fails",
