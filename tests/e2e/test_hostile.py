@@ -281,7 +281,9 @@ def test_a_server_broken_before_the_watchdog_came_gets_its_incident(tmp_path: Pa
         async with server_and_watchdog(
             tmp_path,
             ["0:stage-dead-503"],
-            {"detection": {"startup_timeout": "5s"}},
+            # The request now goes out beside the capture's stack dumps, which load both
+            # cores: the simulator's answer gets the time a loaded machine needs.
+            {"detection": {"startup_timeout": "5s"}, "ladder": {"admin_timeout": "5s"}},
             break_stage_one,
         ) as (watchdog, _):
             incident = await incident_done(watchdog, 60)
