@@ -236,7 +236,8 @@ class DetectionConfig:
     )
     confirm_timeout: float = _duration(
         10.0,
-        "A single kind of evidence held this long confirms a verdict on its own.",
+        "A single kind of evidence held this long confirms a verdict on its own (a stage"
+        " starved of CPU: not counting its time waiting for one).",
         minimum=0.1,
     )
     stuck_timeout: float = _duration(

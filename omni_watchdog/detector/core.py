@@ -77,6 +77,8 @@ class _ProcessMemory:
     runnable_seen_at: float | None = None
     seen_at: float = 0.0
     starved_seen_at: float | None = None
+    # Its time spent waiting for a CPU, as last read before its stage's loop last beat.
+    wait_at_beat: float = 0.0
 
 
 @dataclass
@@ -210,6 +212,8 @@ class Detector:
         if memory is not None:
             # Spans of a sender the tracker had not recorded yet arrive late, and older.
             memory.last_heartbeat = max(obs.time, memory.last_heartbeat or obs.time)
+            for known in memory.processes.values():
+                known.wait_at_beat = known.info.cpu_wait_seconds
 
     def _on_admitted(self, obs: Observation) -> None:
         self._pending.admit(obs.request_id, obs.path, obs.time)
@@ -328,7 +332,9 @@ class Detector:
         if known is None and len(memory.processes) >= MAX_PROCESSES_PER_STAGE:
             return
         if known is None or not known.info.identity.matches(info.identity):
-            known = _ProcessMemory(info, obs.time, obs.time, seen_at=obs.time)
+            known = _ProcessMemory(
+                info, obs.time, obs.time, seen_at=obs.time, wait_at_beat=info.cpu_wait_seconds
+            )
             memory.processes[info.pid] = known
         if exited or info.status is ProcessStatus.ZOMBIE:
             if known.exited_at is None:
@@ -512,7 +518,7 @@ class Detector:
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
         if confirmed and (held_up or not self._progressing(memory, now)):
-            if self._starved(memory) and not self._stood(evidence, now):
+            if self._starved(memory) and not self._stood(evidence, now, self._waited(memory)):
                 return StageState.DEGRADED
             return StageState.STALLED
         return StageState.DEGRADED
@@ -546,10 +552,11 @@ class Detector:
         counted = [e for e in evidence if e.kind not in _CONSEQUENCES]
         return len({e.kind for e in counted}) >= 2 or self._stood(evidence, now)
 
-    def _stood(self, evidence: list[Evidence], now: float) -> bool:
-        """One kind of evidence has held for `confirm_timeout`: it is enough on its own."""
+    def _stood(self, evidence: list[Evidence], now: float, waited: float = 0.0) -> bool:
+        """One kind of evidence has held for `confirm_timeout`, not counting `waited`, time
+        the stage spent waiting for a CPU: it is enough on its own."""
         return any(
-            now - e.since >= self._config.confirm_timeout
+            now - e.since - waited >= self._config.confirm_timeout
             for e in evidence
             if e.kind not in _CONSEQUENCES
         )
@@ -558,14 +565,27 @@ class Detector:
         """A live process of the stage has been waiting for a CPU since its loop last beat
         (a host loaded by its neighbours). Its lost heartbeats, late spans and failed canary
         are then the host's doing as much as its own: they count only once one of them has
-        held for `confirm_timeout`. The readings come when a loaded host lets the probe
-        run, so any one since the beat counts, however long ago. A stopped process is not
-        starved."""
+        held for `confirm_timeout` of the time the stage could run (`_waited`). The
+        readings come when a loaded host lets the probe run, so any one since the beat
+        counts, however long ago. A stopped process is not starved."""
         live = [p for p in memory.processes.values() if p.exited_at is None]
         if any(p.info.status is ProcessStatus.STOPPED for p in live):
             return False
         beat = memory.last_heartbeat or 0.0
         return any(p.starved_seen_at is not None and p.starved_seen_at >= beat for p in live)
+
+    def _waited(self, memory: _StageMemory) -> float:
+        """The longest any live process of the stage has waited for a CPU since its loop
+        last beat. A stage stuck in a spin loop waits too, on a loaded host, so it is still
+        judged: once `confirm_timeout` has passed without it waiting."""
+        return max(
+            (
+                p.info.cpu_wait_seconds - p.wait_at_beat
+                for p in memory.processes.values()
+                if p.exited_at is None
+            ),
+            default=0.0,
+        )
 
     def _head_verdict(self, statuses: list[StageStatus], now: float) -> list[Verdict]:
         """The head's own verdict when its server has stayed unhealthy for `remote_grace`

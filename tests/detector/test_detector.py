@@ -1100,11 +1100,14 @@ STARVATION = [
         (SILENT_FROM + 3, StageState.STALLED),
     ),
     (
-        "the same, its engine starved of CPU: stalled once the canary's failure stood",
+        "the same, its engine waiting for a CPU half the time: stalled once the canary's"
+        " failure stood 10 s of the time it could run",
         World(engines={S1: ProcessStatus.RUNNING}, starved={S1}),
-        30,
+        40,
         None,
-        (SILENT_FROM + 10, StageState.STALLED),
+        # At second n it has waited 0.5 s a second since its reading before the beat at 9:
+        # n - 10 - (n - 8) / 2 >= 10.
+        (SILENT_FROM + 22, StageState.STALLED),
     ),
     (
         "starved and silent for 8 s, then beating again: no verdict",
@@ -1114,13 +1117,14 @@ STARVATION = [
         None,
     ),
     (
-        "starved once, early in its silence, and never read again: still starved",
+        "starved once, early in its silence, and never read again: still starved, by the"
+        " second it was seen to wait",
         World(
             engines={S1: ProcessStatus.RUNNING}, starved={S1}, engines_unread_from=SILENT_FROM + 1
         ),
         30,
         None,
-        (SILENT_FROM + 10, StageState.STALLED),
+        (SILENT_FROM + 11, StageState.STALLED),
     ),
     (
         "starved, but its engine stopped (SIGSTOP): stalled as the canary fails",
