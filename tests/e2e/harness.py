@@ -6,7 +6,9 @@ import asyncio
 import io
 import os
 import sys
+import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -58,18 +60,32 @@ RECOVERED = {
 ACCEPTED = {StepOutcome.RECOVERED, StepOutcome.NOT_RECOVERED}
 
 
+# A simulated server answers in milliseconds, but beside a real server starting on two
+# cores its first healthy /health has taken over 30 s in CI.
+WARM_UP_LIMIT = 90.0
+
+
 async def warmed_up(watchdog: Any) -> None:
     """Warm, and the server's processes recorded where they can be (a fault may end one
     at once)."""
     scans = "processes" in watchdog.config.probes.enabled
-    await wait_for(
-        lambda: (
-            watchdog.state.report
-            and watchdog.state.report.warmed_up
-            and (watchdog.tracker.generation > 0 or not scans)
-        ),
-        30,
-    )
+    try:
+        await wait_for(
+            lambda: (
+                watchdog.state.report
+                and watchdog.state.report.warmed_up
+                and (watchdog.tracker.generation > 0 or not scans)
+            ),
+            WARM_UP_LIMIT,
+        )
+    except TimeoutError as error:
+        report = watchdog.state.report
+        raise AssertionError(
+            f"not warm after {WARM_UP_LIMIT:g}s: judged {report is not None},"
+            f" warm {report is not None and report.warmed_up},"
+            f" process scans {watchdog.tracker.generation},"
+            f" self-health {watchdog.state.self_health}"
+        ) from error
 
 
 def state(watchdog: Any, stage: StageRef) -> StageState | None:
@@ -114,6 +130,37 @@ def worse_than_degraded(watchdog: Any, stages: Any) -> list[str]:
             reasons = "; ".join(f"{e.kind.value}: {e.detail}" for e in status.evidence)
             found.append(f"{stage}: {status.state.value} ({reasons})")
     return found
+
+
+async def note_worse_than_degraded(
+    watchdog: Any, stages: Any, found: list[str], interval: float = 0.1
+) -> None:
+    """Until cancelled, add to `found` each new verdict worse than degraded, with when it
+    came and how loaded the host was: a test that must never see one shows each it saw,
+    not only those standing at the moments it looked."""
+    seen: set[str] = set()
+    while True:
+        for line in worse_than_degraded(watchdog, stages):
+            if line not in seen:
+                seen.add(line)
+                load = Path("/proc/loadavg").read_text().split()[:3]
+                found.append(f"{line} [at {time.monotonic():.1f}, load {' '.join(load)}]")
+        await asyncio.sleep(interval)
+
+
+def described(incidents: Any) -> list[str]:
+    """What an incident the test never wanted was: its cause, its verdicts' evidence, its
+    steps."""
+    return [
+        f"{incident.cause}; "
+        + "; ".join(
+            f"{v.stage} {v.state.value}: "
+            + ", ".join(f"{e.kind.value} since {e.since:.1f}: {e.detail}" for e in v.evidence)
+            for v in incident.verdicts
+        )
+        + f"; steps {[(s.step.value, s.outcome.value) for s in incident.steps]}"
+        for incident in incidents
+    ]
 
 
 async def incident_done(watchdog: Any, timeout: float = 40.0) -> Any:

@@ -645,10 +645,12 @@ def test_orphan_after_the_middle_process_is_killed(servers: Servers) -> None:
     seen: list[Observation] = []
     until(tracker, lambda t: by_pid(t)[engine.pid].status == ProcessStatus.EXITED, seen)
     until(tracker, lambda t: True, seen)
-    # Until its new parent reaps it, the killed orphan is a zombie; then it exits once.
+    # Until its new parent reaps it, the killed orphan is a zombie; then it exits once. A
+    # reading in the moment the kill wakes it to die finds it running (seen once on two
+    # busy cores).
     outcomes = [o.outcome for o in seen if o.pid == engine.pid]
     assert outcomes.count(ProcessStatus.EXITED) == 1 and outcomes[-1] == "exited"
-    assert set(outcomes[:-1]) <= {"sleeping", "zombie"}
+    assert set(outcomes[:-1]) <= {"sleeping", "running", "zombie"}
     assert engine.pid not in {i.pid for i in tracker.live()}
     assert tracker.is_recorded(engine.identity)
 
