@@ -21,6 +21,7 @@ The rules (docs/design.md, Detection):
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -63,9 +64,15 @@ _EXIT_SETTLE = 1.0
 # stage replica: a tree that names thousands must not make thousands of series.
 MAX_EXTRA_STAGES = 64
 MAX_PROCESSES_PER_STAGE = 512
-# A process that waited for a CPU at least this share of the time between two readings was
-# starved by its neighbours: its silence says nothing about its own loop.
+# A process that waited for a CPU at least this share of the time its latest readings cover
+# since its stage's loop last beat was starved by its neighbours: its silence says nothing
+# about its own loop. The readings looked at span this share of `heartbeat_timeout`: at
+# the defaults, a beat's interval and its export delay, what a stage given a CPU needs to
+# be heard again.
 STARVED_WAIT_SHARE = 0.1
+STARVED_WINDOW_SHARE = 0.5
+# Readings of its CPU wait kept per process: enough to span that window at any interval.
+WAIT_READINGS = 32
 
 
 @dataclass
@@ -76,9 +83,11 @@ class _ProcessMemory:
     exited_at: float | None = None
     runnable_seen_at: float | None = None
     seen_at: float = 0.0
-    starved_seen_at: float | None = None
-    # Its time spent waiting for a CPU, as last read before its stage's loop last beat.
+    # Its time spent waiting for a CPU, as last read before its stage's loop last beat,
+    # and when that was read; then its latest readings, (when, time waited).
     wait_at_beat: float = 0.0
+    seen_at_beat: float = 0.0
+    waits: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WAIT_READINGS))
 
 
 @dataclass
@@ -213,7 +222,7 @@ class Detector:
             # Spans of a sender the tracker had not recorded yet arrive late, and older.
             memory.last_heartbeat = max(obs.time, memory.last_heartbeat or obs.time)
             for known in memory.processes.values():
-                known.wait_at_beat = known.info.cpu_wait_seconds
+                known.wait_at_beat, known.seen_at_beat = known.info.cpu_wait_seconds, known.seen_at
 
     def _on_admitted(self, obs: Observation) -> None:
         self._pending.admit(obs.request_id, obs.path, obs.time)
@@ -332,9 +341,8 @@ class Detector:
         if known is None and len(memory.processes) >= MAX_PROCESSES_PER_STAGE:
             return
         if known is None or not known.info.identity.matches(info.identity):
-            known = _ProcessMemory(
-                info, obs.time, obs.time, seen_at=obs.time, wait_at_beat=info.cpu_wait_seconds
-            )
+            known = _ProcessMemory(info, obs.time, obs.time, seen_at=obs.time)
+            known.wait_at_beat, known.seen_at_beat = info.cpu_wait_seconds, obs.time
             memory.processes[info.pid] = known
         if exited or info.status is ProcessStatus.ZOMBIE:
             if known.exited_at is None:
@@ -351,11 +359,8 @@ class Detector:
             known.cpu_changed_at = obs.time
         if info.status is ProcessStatus.RUNNING:
             known.runnable_seen_at = obs.time
-        between = obs.time - known.seen_at
-        waited = info.cpu_wait_seconds - known.info.cpu_wait_seconds
-        if between > 0 and waited >= STARVED_WAIT_SHARE * between:
-            known.starved_seen_at = obs.time
         known.seen_at = obs.time
+        known.waits.append((obs.time, info.cpu_wait_seconds))
         known.info = info
 
     def _on_gpu_process(self, obs: Observation) -> None:
@@ -562,17 +567,30 @@ class Detector:
         )
 
     def _starved(self, memory: _StageMemory) -> bool:
-        """A live process of the stage has been waiting for a CPU since its loop last beat
-        (a host loaded by its neighbours). Its lost heartbeats, late spans and failed canary
-        are then the host's doing as much as its own: they count only once one of them has
-        held for `confirm_timeout` of the time the stage could run (`_waited`). The
-        readings come when a loaded host lets the probe run, so any one since the beat
-        counts, however long ago. A stopped process is not starved."""
+        """A live process of the stage waited for a CPU in its latest readings since its
+        loop last beat (a host loaded by its neighbours). Its lost heartbeats, late spans
+        and failed canary are then the host's doing as much as its own: they count only
+        once one of them has held for `confirm_timeout` of the time the stage could run
+        (`_waited`). The readings are the latest there are: a loaded host lets the probe
+        run when it can. A stage given a CPU for the window and still silent is silent on
+        its own: a moment's wait as the request that blocks it wakes it counts no longer.
+        A stopped process is never starved."""
         live = [p for p in memory.processes.values() if p.exited_at is None]
         if any(p.info.status is ProcessStatus.STOPPED for p in live):
             return False
-        beat = memory.last_heartbeat or 0.0
-        return any(p.starved_seen_at is not None and p.starved_seen_at >= beat for p in live)
+        window = STARVED_WINDOW_SHARE * self._config.heartbeat_timeout
+        for process in live:
+            start = max(process.seen_at_beat, process.seen_at - window)
+            base_at, base_wait = process.seen_at_beat, process.wait_at_beat
+            for at, waited in process.waits:
+                if base_at < at <= start:
+                    base_at, base_wait = at, waited
+            covered = process.seen_at - base_at
+            if covered > 0 and process.info.cpu_wait_seconds - base_wait >= (
+                STARVED_WAIT_SHARE * covered
+            ):
+                return True
+        return False
 
     def _waited(self, memory: _StageMemory) -> float:
         """The longest any live process of the stage has waited for a CPU since its loop

@@ -74,8 +74,11 @@ class World:
     tokens: dict[StageRef, float] = field(default_factory=dict)
     # Stage spans each second, as a forger could send them for any stage.
     spans: set[StageRef] = field(default_factory=set)
-    # Stages whose engines wait for a CPU half of each second: neighbours load the host.
+    # Stages whose engines wait for a CPU `wait_share` of each second (of the seconds
+    # `starved_in`, when given): neighbours load the host.
     starved: set[StageRef] = field(default_factory=set)
+    wait_share: float = 0.5
+    starved_in: range | None = None
     waited: dict[StageRef, float] = field(default_factory=dict)
     # From this second on the processes probe gets no turn to read the engines.
     engines_unread_from: int | None = None
@@ -95,8 +98,8 @@ class World:
         unread = self.engines_unread_from is not None and second >= self.engines_unread_from
         for pid, (ref, status) in enumerate({} if unread else self.engines.items(), start=200):
             cpu = float(second) if self.cpu_moving else 1.0
-            if ref in self.starved:
-                self.waited[ref] = self.waited.get(ref, 0.0) + 0.5
+            if ref in self.starved and (self.starved_in is None or second in self.starved_in):
+                self.waited[ref] = self.waited.get(ref, 0.0) + self.wait_share
             info = process(pid, ref, ProcessRole.ENGINE, status, cpu, self.waited.get(ref, 0.0))
             out.append(Observation(ObservationKind.PROCESS, now, process=info, outcome=status))
         if self.canary is not None:
@@ -1125,6 +1128,31 @@ STARVATION = [
         30,
         None,
         (SILENT_FROM + 11, StageState.STALLED),
+    ),
+    (
+        "waiting a moment as the request that blocks it wakes it, then asleep: no share of"
+        " its silence, stalled at the heartbeat timeout",
+        World(
+            engines={S1: ProcessStatus.SLEEPING},
+            starved={S1},
+            wait_share=0.2,
+            starved_in=range(SILENT_FROM, SILENT_FROM + 1),
+        ),
+        30,
+        None,
+        (SILENT_FROM + 3, StageState.STALLED),
+    ),
+    (
+        "starved for the first 6 s of its silence, then given its CPU and still silent:"
+        " stalled once it has had it for half the heartbeat timeout",
+        World(
+            engines={S1: ProcessStatus.RUNNING},
+            starved={S1},
+            starved_in=range(SILENT_FROM, SILENT_FROM + 6),
+        ),
+        30,
+        None,
+        (SILENT_FROM + 7, StageState.STALLED),
     ),
     (
         "starved, but its engine stopped (SIGSTOP): stalled as the canary fails",
