@@ -1130,8 +1130,8 @@ STARVATION = [
         (SILENT_FROM + 11, StageState.STALLED),
     ),
     (
-        "waiting a moment as the request that blocks it wakes it, then asleep: no share of"
-        " its silence, stalled at the heartbeat timeout",
+        "waiting a moment as the request that blocks it wakes it, then asleep: the wait"
+        " leaves the window, stalled at the heartbeat timeout",
         World(
             engines={S1: ProcessStatus.SLEEPING},
             starved={S1},
