@@ -65,14 +65,16 @@ ACCEPTED = {StepOutcome.RECOVERED, StepOutcome.NOT_RECOVERED}
 WARM_UP_LIMIT = 90.0
 
 
-async def warmed_up(watchdog: Any) -> None:
+async def warmed_up(watchdog: Any, judged_after: float | None = None) -> None:
     """Warm, and the server's processes recorded where they can be (a fault may end one
-    at once)."""
+    at once). `judged_after` (the watchdog's clock) asks for an evaluation made after that
+    moment: after a re-attach, the report standing is the old server's, warm."""
     scans = "processes" in watchdog.config.probes.enabled
     try:
         await wait_for(
             lambda: (
                 watchdog.state.report
+                and (judged_after is None or watchdog.state.report.time > judged_after)
                 and watchdog.state.report.warmed_up
                 and (watchdog.tracker.generation > 0 or not scans)
             ),
@@ -130,6 +132,30 @@ def worse_than_degraded(watchdog: Any, stages: Any) -> list[str]:
             reasons = "; ".join(f"{e.kind.value}: {e.detail}" for e in status.evidence)
             found.append(f"{stage}: {status.state.value} ({reasons})")
     return found
+
+
+async def all_healthy(watchdog: Any, timeout: float) -> None:
+    """Wait until the last evaluation judged every stage healthy; if it never does, say
+    which stages were not, with their evidence, and how loaded the host was."""
+    try:
+        await wait_for(
+            lambda: all(s.state is StageState.HEALTHY for s in watchdog.state.report.statuses),
+            timeout,
+        )
+    except TimeoutError as error:
+        report = watchdog.state.report
+        others = [
+            f"{s.stage}: {s.state.value} ("
+            + "; ".join(f"{e.kind.value}: {e.detail}" for e in s.evidence)
+            + ")"
+            for s in (report.statuses if report else ())
+            if s.state is not StageState.HEALTHY
+        ]
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        raise AssertionError(
+            f"not all healthy after {timeout:g}s: {others}; load {load};"
+            f" self-health {watchdog.state.self_health}"
+        ) from error
 
 
 async def note_worse_than_degraded(

@@ -19,6 +19,7 @@ import pytest
 from e2e.harness import (
     SIM_ENV,
     WAITS_FOR_A_CRASH,
+    all_healthy,
     in_background,
     incident_done,
     run_scenario,
@@ -30,7 +31,7 @@ from omni_watchdog.cli import EXIT_CANNOT_START, EXIT_CONFIG
 from omni_watchdog.demo import SimProcess, attached, example_config, free_port, wait_for
 from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.semconv import HEARTBEAT_SPAN, PROCESS_PID, STAGE_ID
-from omni_watchdog.types import IncidentOutcome, StageState
+from omni_watchdog.types import IncidentOutcome
 
 pytestmark = pytest.mark.e2e
 
@@ -111,13 +112,8 @@ def test_a_crashed_server_is_recorded_and_its_successor_attached(tmp_path: Path)
             try:
                 await wait_for(lambda: watchdog.tracker.generation == 2, 30)
                 assert watchdog.tracker.root.pid == successor.process.pid != first_pid
-                await warmed_up(watchdog)
-                await wait_for(
-                    lambda: all(
-                        s.state is StageState.HEALTHY for s in watchdog.state.report.statuses
-                    ),
-                    20,
-                )
+                await warmed_up(watchdog, judged_after=watchdog.clock.monotonic())
+                await all_healthy(watchdog, 20)
                 assert len(watchdog.policy.incidents()) == 1
             finally:
                 successor.stop()

@@ -18,6 +18,7 @@ from e2e.harness import (
     RECOVERED,
     SIM_ENV,
     WAITS_FOR_A_CRASH,
+    all_healthy,
     assert_released,
     in_background,
     incident_done,
@@ -231,9 +232,7 @@ def test_a_client_that_goes_away_is_not_waited_for(tmp_path: Path, generation: s
         await wait_for(lambda: detector.in_flight(1) > 0, 15)
         request.cancel()
         await wait_for(lambda: all(detector.in_flight(s) == 0 for s in (0, 1, 2)), 10)
-        await wait_for(
-            lambda: all(s.state is StageState.HEALTHY for s in watchdog.state.report.statuses), 15
-        )
+        await all_healthy(watchdog, 15)
         assert not watchdog.policy.incidents()
 
     # Half a second a token: the request is still at stage 1 when its client leaves. No
