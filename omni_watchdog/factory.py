@@ -45,7 +45,7 @@ from omni_watchdog.probes.gpu import GpuProbe, load_nvml
 from omni_watchdog.probes.health import HealthProbe
 from omni_watchdog.probes.link import MasterLinkProbe
 from omni_watchdog.probes.metrics import MetricsProbe
-from omni_watchdog.probes.processes import ProcessTracker, read_cpu_wait
+from omni_watchdog.probes.processes import ProcessTracker, ThreadWaits
 from omni_watchdog.probes.server_config import ServerConfigReader
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import SpanForwarder, SpanReceiver
@@ -153,7 +153,7 @@ def _assemble(
         server_topology=read_server_config,
         # A pidfd names a process of this kernel; the pids of a fake table are not its.
         exit_notices=ExitNotices(start_time) if process_table is psutil else None,
-        cpu_wait=read_cpu_wait if process_table is psutil else lambda pid: 0.0,
+        cpu_wait=ThreadWaits() if process_table is psutil else lambda pid: 0.0,
     )
     # Without the process probe nothing records the senders' processes: spans are then
     # judged only against the topology.

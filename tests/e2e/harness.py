@@ -170,7 +170,14 @@ async def note_worse_than_degraded(
             if line not in seen:
                 seen.add(line)
                 load = Path("/proc/loadavg").read_text().split()[:3]
-                found.append(f"{line} [at {time.monotonic():.1f}, load {' '.join(load)}]")
+                # Each process's CPU wait as last read: whether the starvation rule saw any.
+                waits = {
+                    f"{info.pid} {info.stage}": round(info.cpu_wait_seconds, 2)
+                    for info in watchdog.tracker.live()
+                }
+                found.append(
+                    f"{line} [at {time.monotonic():.1f}, load {' '.join(load)}, waits {waits}]"
+                )
         await asyncio.sleep(interval)
 
 

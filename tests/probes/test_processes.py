@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,8 +24,9 @@ from fakes import SERVER_PORT, FakePsutil
 
 from omni_watchdog.clock import FakeClock, SystemClock
 from omni_watchdog.policy.actuators import SignalGuard, is_alive
+from omni_watchdog.probes import processes
 from omni_watchdog.probes.exits import ExitNotices
-from omni_watchdog.probes.processes import ProcessTracker, read_cpu_wait
+from omni_watchdog.probes.processes import ProcessTracker, ThreadWaits
 from omni_watchdog.process_start import start_time
 from omni_watchdog.types import (
     Observation,
@@ -818,7 +820,74 @@ def test_each_process_carries_how_long_it_waited_for_a_cpu() -> None:
     }
 
 
-def test_the_kernels_run_queue_delay_is_read_and_a_missing_one_is_zero() -> None:
+def test_the_kernels_run_queue_delay_is_read_from_every_thread_and_a_missing_one_is_zero() -> None:
+    waits = ThreadWaits()
     schedstat = Path(f"/proc/{os.getpid()}/schedstat").read_text().split()
-    assert read_cpu_wait(os.getpid()) >= int(schedstat[1]) / 1e9
-    assert read_cpu_wait(2**22 + 1) == 0.0  # above any pid the kernel hands out
+    # The first reading is the busiest-waiting thread's, the main thread's or more.
+    assert waits(os.getpid()) >= int(schedstat[1]) / 1e9
+    assert waits(2**22 + 1) == 0.0  # above any pid the kernel hands out
+
+
+def write_waits(proc: Path, pid: int, seconds: dict[int, float]) -> None:
+    for tid, waited in seconds.items():
+        task = proc / str(pid) / "task" / str(tid)
+        task.mkdir(parents=True, exist_ok=True)
+        (task / "schedstat").write_text(f"123 {int(waited * 1e9)} 7\n")
+
+
+@pytest.mark.parametrize(
+    ("readings", "counters"),
+    [
+        pytest.param([{1: 0.2, 2: 0.5}], [0.5], id="first-reading-is-the-busiest-thread"),
+        pytest.param(
+            [{1: 0.2, 2: 0.5}, {1: 0.5, 2: 0.6}],
+            [0.5, 0.8],
+            id="a-side-thread-waiting-counts-though-the-main-one-does-not-wait",
+        ),
+        pytest.param(
+            [{1: 1.0, 2: 1.0}, {1: 1.4, 2: 1.4}],
+            [1.0, 1.4],
+            id="threads-waiting-together-count-once-not-summed",
+        ),
+        pytest.param(
+            [{1: 1.0}, {1: 1.0, 3: 0.3}],
+            [1.0, 1.3],
+            id="a-new-thread-counts-its-whole-wait",
+        ),
+        pytest.param(
+            [{1: 1.0, 2: 2.0}, {1: 0.1, 2: 0.2}],
+            [2.0, 2.0],
+            id="a-reused-pid-never-makes-the-counter-go-back",
+        ),
+    ],
+)
+def test_thread_waits_grow_by_the_busiest_threads_gain(
+    tmp_path: Path, readings: list[dict[int, float]], counters: list[float]
+) -> None:
+    waits = ThreadWaits(tmp_path)
+    seen = []
+    for reading in readings:
+        write_waits(tmp_path, 100, reading)
+        seen.append(waits(100))
+    assert seen == pytest.approx(counters)
+
+
+def test_thread_waits_keep_the_count_of_a_process_gone_and_forget_the_gone_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(processes, "MAX_PROCESSES_REMEMBERED", 2)
+    waits = ThreadWaits(tmp_path)
+    write_waits(tmp_path, 100, {100: 1.0})
+    write_waits(tmp_path, 200, {200: 2.0})
+    assert (waits(100), waits(200)) == (1.0, 2.0)
+    shutil.rmtree(tmp_path / "100")
+    assert waits(100) == 1.0  # a process that vanished mid-scan loses nothing
+    write_waits(tmp_path, 300, {300: 3.0})
+    assert waits(300) == 3.0  # 100 is gone from the kernel: it is forgotten, 200 is not
+    write_waits(tmp_path, 200, {200: 2.5})
+    assert waits(200) == 2.5
+    write_waits(tmp_path, 400, {400: 4.0})
+    assert waits(400) == 4.0  # none gone: the least recently read (300) makes room
+    write_waits(tmp_path, 200, {200: 2.7})
+    assert waits(200) == pytest.approx(2.7)
+    assert waits(100) == 0.0
