@@ -170,6 +170,9 @@ class FaultRun:
     # that the remediation itself ended is dead by then whatever the fault was.
     to_dead_s: float | None = None
     dead_only_after_ladder: bool = False
+    # No stage process had exited when the ladder first acted: its death may be the
+    # ladder's doing, so fault -> dead is not measured in this run (the first verdict is).
+    exit_after_ladder: bool = False
     outcome: str = "not started"
     steps: str = ""  # the incident's steps, each with its outcome and duration
     floor_s: float | None = None  # what the verdict cannot beat: see `floor_of`
@@ -338,6 +341,9 @@ async def fault_scenario(server: VllmServer, faults: Any, fault: Fault, workdir:
             run.to_dead_s = dead_since - fault_at
         elif dead_since is not None:
             run.dead_only_after_ladder = True
+            run.exit_after_ladder = acted_at is not None and (
+                run.floor_s is None or fault_at + run.floor_s > acted_at
+            )
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
@@ -431,16 +437,24 @@ def fault_rows(fault: Fault, runs: list[FaultRun]) -> list[tuple[str, str, str, 
     ]
     if fault.expected is StageState.DEAD:
         deads = [r.to_dead_s for r in runs if r.to_dead_s is not None]
-        late = sum(r.dead_only_after_ladder for r in runs)
+        late = sum(r.dead_only_after_ladder and not r.exit_after_ladder for r in runs)
+        unmeasured = sum(r.exit_after_ladder for r in runs)
         shown = seconds(deads)
         if late:
             shown += f"; dead only once the ladder acted in {late} of {len(runs)} runs"
+        if unmeasured:
+            shown += (
+                f"; in {unmeasured} of {len(runs)} runs no stage process had exited when the"
+                " ladder acted on the first verdict: not measured there"
+            )
         rows.append(
             (
                 f"{label}: fault -> dead, before the ladder acts",
                 shown,
                 target,
-                within(deads, len(runs), fault.verdict_target_s, "dead before the ladder"),
+                within(
+                    deads, len(runs) - unmeasured, fault.verdict_target_s, "dead before the ladder"
+                ),
             )
         )
     rows.append(
@@ -466,10 +480,12 @@ def run_faults(
             run = measure_fault(fault, model, workdir / f"{fault.word}-{index + 1}", tally)
             measured.append(run)
             dead = "only once the ladder acted" if run.dead_only_after_ladder else "-"
+            if run.exit_after_ladder:
+                dead += " (no stage process had exited before it)"
             print(
                 f"{fault.label} run {index + 1}: first verdict {in_seconds(run.to_verdict_s)}"
                 f" ({run.state_seen.value if run.state_seen else '-'}),"
-                f" dead {in_seconds(run.to_dead_s, dead)},"
+                f" dead {in_seconds(run.to_dead_s, dead)}, exit notice {in_seconds(run.floor_s)},"
                 f" tree gone {in_seconds(run.to_gone_s)}, {run.outcome} ({run.steps})",
                 flush=True,
             )

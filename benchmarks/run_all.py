@@ -15,6 +15,7 @@ BENCHMARKS = [
     "bench_soak.py",
     "bench_overhead.py",
     "bench_memory.py",
+    "bench_idle.py",
     "bench_hostile.py",
     # The real servers, about 40 minutes on two cores; skipped without their environments.
     "bench_real_omni.py",

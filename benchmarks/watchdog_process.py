@@ -40,14 +40,16 @@ def target_resource(pid: int) -> list[KeyValue]:
 
 
 async def wait_attached(
-    session: aiohttp.ClientSession, api_url: str, pid: int, timeout: float
+    session: aiohttp.ClientSession, api_url: str, pid: int, timeout: float, warm: bool = False
 ) -> None:
-    """Until the watchdog's /v1/status shows it attached to `pid`."""
+    """Until the watchdog's /v1/status shows it attached to `pid` (and, with `warm`, past
+    its start-up grace)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             async with session.get(api_url + "/v1/status") as response:
-                if response.status == 200 and (await response.json())["target"]["pid"] == pid:
+                target = (await response.json())["target"] if response.status == 200 else {}
+                if target.get("pid") == pid and (target.get("warmed_up") or not warm):
                     return
         except aiohttp.ClientError:
             pass
