@@ -415,6 +415,15 @@ class LadderConfig:
         minimum=0.1,
         maximum=_HOUR,
     )
+    teardown_timeout: float = _duration(
+        30.0,
+        "A process SIGKILL reached that the kernel is still tearing down at the end of"
+        " release_timeout (exiting, not in uninterruptible sleep: a large address space"
+        " freed on a busy CPU) is waited for this much longer before it is called"
+        " unkillable.",
+        minimum=0.1,
+        maximum=_HOUR,
+    )
     budget_per_hour: int = _setting(
         3, "Enforced incidents allowed per rolling hour.", minimum=0, maximum=1000
     )

@@ -225,6 +225,7 @@ RANGES = {
     "ladder.term_grace": (0.1, 3600.0),
     "ladder.kill_grace": (0.1, 3600.0),
     "ladder.release_timeout": (0.1, 3600.0),
+    "ladder.teardown_timeout": (0.1, 3600.0),
     "ladder.budget_per_hour": (0, 1000),
 }
 

@@ -206,13 +206,25 @@ def closed_by_id(watchdog: Any, incident_id: str) -> Any:
     return incident if incident is not None and incident.closed is not None else None
 
 
+def steps_of(incident: Any) -> str:
+    """An incident's outcome and each step in full, one a line: a failed assertion's message
+    that pytest does not cut short, as it does the repr of the steps themselves."""
+    return "\n".join(
+        [f"outcome {incident.outcome.value if incident.outcome else None}"]
+        + [
+            f"{s.step.value} {s.outcome.value} after {s.duration:.1f}s: {s.detail}"
+            for s in incident.steps
+        ]
+    )
+
+
 def step(incident: Any, name: StepName) -> Any:
     return next((s for s in incident.steps if s.step is name), None)
 
 
 def assert_released(incident: Any) -> None:
     verify = step(incident, StepName.VERIFY)
-    assert verify is not None and verify.outcome is StepOutcome.OK, incident.steps
+    assert verify is not None and verify.outcome is StepOutcome.OK, steps_of(incident)
     assert "back to baseline" in verify.detail
 
 

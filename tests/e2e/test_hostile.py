@@ -23,6 +23,7 @@ from e2e.harness import (
     incident_done,
     run_scenario,
     step,
+    steps_of,
     warmed_up,
     with_fault,
 )
@@ -292,8 +293,8 @@ def test_a_server_broken_before_the_watchdog_came_gets_its_incident(tmp_path: Pa
             # The admin endpoint took the request. A loaded machine can stretch the
             # server's exit past the shutdown grace; the terminate step then ends it.
             shutdown = step(incident, StepName.SHUTDOWN)
-            assert shutdown is not None and shutdown.outcome in ACCEPTED, incident.steps
-            assert incident.outcome in RECOVERED, incident.steps
+            assert shutdown is not None and shutdown.outcome in ACCEPTED, steps_of(incident)
+            assert incident.outcome in RECOVERED, steps_of(incident)
 
     run_scenario(scenario())
 
@@ -326,8 +327,8 @@ def test_a_full_disk_never_holds_the_ladder_back(tmp_path: Path) -> None:
             in_background(server.url)
             incident = await incident_done(watchdog, 60)
             shutdown = step(incident, StepName.SHUTDOWN)
-            assert shutdown is not None and shutdown.outcome in ACCEPTED, incident.steps
-            assert incident.outcome in RECOVERED, incident.steps
+            assert shutdown is not None and shutdown.outcome in ACCEPTED, steps_of(incident)
+            assert incident.outcome in RECOVERED, steps_of(incident)
             # The state after the incident closed carries every failed write.
             health = await wait_for(
                 lambda: (

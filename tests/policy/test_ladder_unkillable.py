@@ -54,8 +54,10 @@ class Rig:
         self.in_the_driver: set[int] = set()
         # Pids whose SIGKILL the kernel refuses (another user's process).
         self.not_permitted: set[int] = set()
-        # Pids that exit this long after SIGKILL reaches them.
+        # Pids that exit this long after SIGKILL reaches them, running their exit meanwhile.
         self.exit_delay: dict[int, float] = {}
+        # Pids of `in_the_driver` that SIGKILL got as far as starting their exit.
+        self.stuck_exiting: set[int] = set()
         self._dying: dict[int, float] = {}
         # Called after each step, as the policy would journal it.
         self.after_step: Callable[[Incident], None] = lambda incident: None
@@ -110,7 +112,10 @@ class Rig:
         return StepResult(StepName.CAPTURE, StepOutcome.OK, self.clock.wall(), 0.0, "captured")
 
     def inspect(self, identity: ProcessIdentity) -> ProcessCondition:
-        return ProcessCondition(identity.pid, "disk-sleep", "nvidia_wait")
+        if identity.pid in self._dying:
+            return ProcessCondition(identity.pid, "running", "0", exiting=True)
+        exiting = identity.pid in self.stuck_exiting
+        return ProcessCondition(identity.pid, "disk-sleep", "nvidia_wait", exiting)
 
     def report(self, incident_id: str, name: str, value: object) -> None:
         self.reports.append((incident_id, name, value))
@@ -185,11 +190,62 @@ def test_a_process_that_outlives_sigkill_is_unkillable(fake_psutil: FakePsutil) 
                     "create_time": 100.0,
                     "title": "engine",
                     "state": "disk-sleep",
+                    "exiting": False,
                     "wait_channel": "nvidia_wait",
                 }
             ],
         )
     ]
+
+
+@pytest.mark.parametrize(
+    ("exit_delay", "stuck_exiting", "outcome", "detail"),
+    [
+        # A big process on a busy CPU: its exit outlasts the release bound, and is waited for.
+        (
+            {103: 9.0},
+            set(),
+            IncidentOutcome.RECOVERED_BY_KILL,
+            "the kernel took 6.0s more to tear down pid 103",
+        ),
+        # Still exiting when the teardown bound ends too: reported, with its state.
+        (
+            {103: 60.0},
+            set(),
+            IncidentOutcome.UNKILLABLE,
+            "still alive 32.0s after the kill step: pid 103 (engine) running, exiting,"
+            " not waiting in the kernel",
+        ),
+        # Stuck in the driver on its way out: no teardown in progress, so no longer wait.
+        (
+            {},
+            {103},
+            IncidentOutcome.UNKILLABLE,
+            "still alive 2.0s after the kill step: pid 103 (engine) disk-sleep, exiting in"
+            " nvidia_wait",
+        ),
+    ],
+    ids=["torn-down-late", "teardown-outlasts-its-bound", "stuck-in-exit"],
+)
+def test_a_survivor_the_kernel_is_tearing_down_is_waited_for_within_a_bound(
+    fake_psutil: FakePsutil,
+    exit_delay: dict[int, float],
+    stuck_exiting: set[int],
+    outcome: IncidentOutcome,
+    detail: str,
+) -> None:
+    rig = Rig(fake_psutil, WITH_KILL)
+    a_server(rig)
+    rig.exit_delay = exit_delay
+    rig.in_the_driver = stuck_exiting
+    rig.stuck_exiting = stuck_exiting
+    incident = rig.run()
+    assert incident.outcome is outcome
+    assert step(incident, StepName.KILL).outcome is StepOutcome.NOT_RECOVERED
+    assert detail in step(incident, StepName.VERIFY).detail
+    assert [name for _, name, _ in rig.reports] == (
+        [UNKILLABLE_REPORT] if outcome is IncidentOutcome.UNKILLABLE else []
+    )
 
 
 def test_a_report_that_cannot_be_written_does_not_stop_the_incident(
@@ -268,24 +324,41 @@ def test_a_kill_step_skipped_because_nothing_survived_reports_nothing(
     assert rig.reports == []
 
 
+# /proc/<pid>/stat of a process named with a space and a parenthesis, flags as given.
+def stat_line(flags: int) -> str:
+    return f"103 (VLLM::Engine (1)) R 100 100 100 0 -1 {flags} 0 0 0 0 1 2 0 0 20 0 4 0\n"
+
+
 @pytest.mark.parametrize(
-    ("wchan", "state", "described"),
+    ("wchan", "state", "flags", "described", "tearing_down"),
     [
-        ("nvidia_wait\n", "disk-sleep", "disk-sleep in nvidia_wait"),
-        ("0", "running", "running, not waiting in the kernel"),
-        (None, "disk-sleep", "disk-sleep, wait channel unreadable"),
+        ("nvidia_wait\n", "disk-sleep", 0x400100, "disk-sleep in nvidia_wait", False),
+        ("nvidia_wait\n", "disk-sleep", 0x40040C, "disk-sleep, exiting in nvidia_wait", False),
+        ("0", "running", 0x400100, "running, not waiting in the kernel", False),
+        ("0", "running", 0x40040C, "running, exiting, not waiting in the kernel", True),
+        ("0", "sleeping", 0x400100, "sleeping, wait channel hidden by the kernel", False),
+        (None, "disk-sleep", None, "disk-sleep, wait channel unreadable", False),
     ],
 )
-def test_read_condition_reads_state_and_wait_channel(
-    tmp_path: Path, fake_psutil: FakePsutil, wchan: str | None, state: str, described: str
+def test_read_condition_reads_state_exit_and_wait_channel(
+    tmp_path: Path,
+    fake_psutil: FakePsutil,
+    wchan: str | None,
+    state: str,
+    flags: int | None,
+    described: str,
+    tearing_down: bool,
 ) -> None:
     fake_psutil.add(103, pgid=100).state = state
+    (tmp_path / "103").mkdir()
     if wchan is not None:
-        (tmp_path / "103").mkdir()
         (tmp_path / "103" / "wchan").write_text(wchan)
+    if flags is not None:
+        (tmp_path / "103" / "stat").write_text(stat_line(flags))
     condition = read_condition(ProcessIdentity(103, 100.0), fake_psutil, tmp_path)
     assert condition.pid == 103 and condition.state == state
     assert condition.describe() == described
+    assert condition.tearing_down is tearing_down
 
 
 def test_read_condition_of_a_gone_process(tmp_path: Path, fake_psutil: FakePsutil) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from e2e.harness import RECOVERED, incident_done
+from e2e.harness import RECOVERED, incident_done, steps_of
 from real_omni.judging import in_background, step_of, verdict_on, wait_for_async
 from real_omni.server import OmniServer, engine_of, watched
 from real_vllm.client import (
@@ -57,7 +57,7 @@ def test_forward_that_raises_kills_the_stage_and_the_server_is_ended(
             # before the exit makes the verdict `stalled`; either way it names the stage.
             assert verdict is not None, incident
             assert verdict.state in (StageState.DEAD, StageState.STALLED), incident
-            assert incident.outcome in RECOVERED | {IncidentOutcome.CRASHED}, incident.steps
+            assert incident.outcome in RECOVERED | {IncidentOutcome.CRASHED}, steps_of(incident)
             await gone(server, 15)
 
     asyncio.run(scenario())
@@ -91,8 +91,8 @@ def test_killed_stage_engine_is_dead_and_the_server_left_at_503_is_ended(
             # vLLM-Omni 0.30 never exits by itself after a stage death: it is asked at
             # once, without waiting self_exit_grace for it first.
             shutdown = step_of(incident, StepName.SHUTDOWN)
-            assert shutdown is not None and shutdown.detail.startswith("202 "), incident.steps
-            assert shutdown.duration < SELF_EXIT_GRACE_S, incident.steps
+            assert shutdown is not None and shutdown.detail.startswith("202 "), steps_of(incident)
+            assert shutdown.duration < SELF_EXIT_GRACE_S, steps_of(incident)
             await gone(server, 15)
 
     asyncio.run(scenario())

@@ -23,6 +23,7 @@ from e2e.harness import (
     incident_done,
     oncall,
     state,
+    steps_of,
 )
 from real_omni.judging import in_background, step_of, verdict_on
 from real_omni.server import OmniServer, engine_of, watched
@@ -80,7 +81,7 @@ def test_blocked_forward_is_planned_in_dry_run_and_ended_once_on_call_approves(
             shutdown = step_of(incident, StepName.SHUTDOWN)
             assert shutdown is not None and shutdown.outcome in ACCEPTED, incident
             assert shutdown.detail.startswith("202 "), shutdown.detail
-            assert incident.outcome in RECOVERED, incident.steps
+            assert incident.outcome in RECOVERED, steps_of(incident)
             assert not server.leftovers()
 
     asyncio.run(scenario())
@@ -115,7 +116,7 @@ def test_stopped_stage_engine_is_held_by_a_pause_and_the_tree_ended_after_it(
             verdict = verdict_on(incident, thinker)
             assert verdict is not None and verdict.state is StageState.STALLED, incident
             assert EvidenceKind.PROCESS_STUCK in evidence_kinds(incident)
-            assert incident.outcome in RECOVERED, incident.steps
+            assert incident.outcome in RECOVERED, steps_of(incident)
             assert not server.leftovers()
 
     asyncio.run(scenario())
@@ -142,8 +143,8 @@ def test_killed_api_server_leaves_orphans_that_are_found_and_ended(
                 if step.step in (StepName.TERMINATE, StepName.KILL)
                 for pid in step.targets
             }
-            assert hung.pid in ended, incident.steps
-            assert incident.outcome in RECOVERED | {IncidentOutcome.CRASHED}, incident.steps
+            assert hung.pid in ended, steps_of(incident)
+            assert incident.outcome in RECOVERED | {IncidentOutcome.CRASHED}, steps_of(incident)
             await gone(server, 15)
 
     asyncio.run(scenario())

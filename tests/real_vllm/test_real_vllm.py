@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e.harness import RECOVERED, incident_done, state
+from e2e.harness import RECOVERED, incident_done, state, steps_of
 from real_vllm.client import (
     LONG_REQUEST,
     Stream,
@@ -180,7 +180,7 @@ def test_stopped_engine_core_is_stalled_and_the_tree_ended(
                 EvidenceKind.HEARTBEAT_LOST,
             }
             assert EvidenceKind.HEALTH_FAILED not in kinds
-            assert incident.outcome in RECOVERED, (incident.outcome, incident.steps)
+            assert incident.outcome in RECOVERED, steps_of(incident)
             # What the watchdog ended, before the test's own clean-up runs.
             assert not server.leftovers()
 
