@@ -417,10 +417,10 @@ class LadderConfig:
     )
     teardown_timeout: float = _duration(
         30.0,
-        "A process SIGKILL reached that the kernel is still tearing down at the end of"
-        " release_timeout (exiting, not in uninterruptible sleep: a large address space"
-        " freed on a busy CPU) is waited for this much longer before it is called"
-        " unkillable.",
+        "A survivor that SIGKILL reached and that is on its way out at the end of"
+        " release_timeout (the signal pending or its exit begun, not in uninterruptible"
+        " sleep: it waits for a busy CPU, or frees a large address space) is waited for"
+        " this much longer before it is called unkillable.",
         minimum=0.1,
         maximum=_HOUR,
     )

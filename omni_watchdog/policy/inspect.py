@@ -1,11 +1,12 @@
-"""What the kernel says a process is doing: its scheduler state, whether it is exiting,
-and its wait channel.
+"""What the kernel says a process is doing: its scheduler state, whether SIGKILL has
+reached it, and its wait channel.
 
-A process that outlives SIGKILL is either still being torn down (the kernel runs its exit,
-slowed by a large address space or a CPU it must share) or in uninterruptible sleep inside
-the kernel, most often in the GPU driver. Its state, its exit flag and the kernel function
-it waits in (`/proc/<pid>/wchan`) are what tell the two apart, and what an operator needs
-to decide between waiting, a GPU reset and a reboot.
+A process that outlives SIGKILL is either on its way out (the signal is pending or the
+kernel runs its exit, and it needs only CPU time: a busy core, a large address space to
+free) or in uninterruptible sleep inside the kernel, most often in the GPU driver. Its
+state, its pending signals and exit flag, and the kernel function it waits in
+(`/proc/<pid>/wchan`) tell the two apart, and are what an operator needs to decide between
+waiting, a GPU reset and a reboot.
 """
 
 from __future__ import annotations
@@ -25,27 +26,38 @@ NOT_WAITING = "0"
 _PF_EXITING = 0x4
 # The flags are the seventh field after the command name's closing parenthesis.
 _FLAGS_FIELD = 6
+# SIGKILL's bit in the pending-signal masks of /proc/<pid>/status.
+_SIGKILL_BIT = 1 << (9 - 1)
+# A kill(2) pends on the process (ShdPnd); the kernel marks each thread's own set (SigPnd).
+_PENDING_FIELDS = ("SigPnd:", "ShdPnd:")
 
 
 @dataclass(frozen=True)
 class ProcessCondition:
-    """A process's scheduler state (psutil's name), whether the kernel is running its exit,
-    and its kernel wait channel ("" unreadable)."""
+    """A process's scheduler state (psutil's name), its kernel wait channel ("" unreadable),
+    whether SIGKILL is pending on it and whether the kernel runs its exit, and its CPU time
+    so far (None unreadable)."""
 
     pid: int
     state: str
     wait_channel: str
+    kill_pending: bool = False
     exiting: bool = False
+    cpu_seconds: float | None = None
 
     @property
-    def tearing_down(self) -> bool:
-        """The kernel is running its exit and it is not stuck in an uninterruptible wait:
-        it will be gone once it gets the CPU time to free what it holds."""
-        return self.exiting and self.state not in ("disk-sleep", "gone")
+    def dying(self) -> bool:
+        """SIGKILL has reached it and it is not held in an uninterruptible wait: it is gone
+        once it gets the CPU time to act on the signal and free what it holds."""
+        return (self.kill_pending or self.exiting) and self.state not in ("disk-sleep", "gone")
 
     def describe(self) -> str:
-        """The state and where it waits, e.g. `disk-sleep in nvidia_wait`."""
-        state = f"{self.state}, exiting" if self.exiting else self.state
+        """The state and where it waits, e.g. `disk-sleep, SIGKILL pending in nvidia_wait`."""
+        state = self.state
+        if self.kill_pending:
+            state += ", SIGKILL pending"
+        if self.exiting:
+            state += ", exiting"
         if self.wait_channel == NOT_WAITING:
             if self.state == "running":
                 return f"{state}, not waiting in the kernel"
@@ -58,18 +70,43 @@ class ProcessCondition:
 def read_condition(
     identity: ProcessIdentity, process_table: ProcessTable = psutil, proc: Path = PROC
 ) -> ProcessCondition:
-    """The state, exit flag and wait channel of a process, as far as this user may read them."""
+    """What the kernel shows of a process, as far as this user may read it."""
     try:
-        state = process_table.Process(identity.pid).status()
+        process = process_table.Process(identity.pid)
+        state = process.status()
     except process_table.NoSuchProcess:
         state = "gone"
     except process_table.Error:
         state = "unknown"
+    cpu_seconds: float | None = None
+    if state not in ("gone", "unknown"):
+        try:
+            times = process.cpu_times()
+            cpu_seconds = times.user + times.system
+        except process_table.Error:
+            pass
+    directory = proc / str(identity.pid)
     try:
-        wait_channel = (proc / str(identity.pid) / "wchan").read_text().strip()
+        wait_channel = (directory / "wchan").read_text().strip()
     except OSError:
         wait_channel = ""
-    return ProcessCondition(identity.pid, state, wait_channel, _exiting(proc / str(identity.pid)))
+    return ProcessCondition(
+        identity.pid,
+        state,
+        wait_channel,
+        kill_pending=_kill_pending(directory),
+        exiting=_exiting(directory),
+        cpu_seconds=cpu_seconds,
+    )
+
+
+def _kill_pending(process_dir: Path) -> bool:
+    try:
+        lines = (process_dir / "status").read_text().splitlines()
+        masks = [int(line.split()[1], 16) for line in lines if line.startswith(_PENDING_FIELDS)]
+    except (OSError, ValueError, IndexError):
+        return False
+    return any(mask & _SIGKILL_BIT for mask in masks)
 
 
 def _exiting(process_dir: Path) -> bool:

@@ -410,19 +410,19 @@ class LadderRunner:
             return await self._verify_port(timeout)
         started = self._clock.monotonic()
         deadline = started + timeout
-        # Past the deadline, a survivor of SIGKILL that the kernel is still tearing down
-        # is on its way out; only one that stops exiting, or outlasts this, is unkillable.
+        # Past the deadline, a survivor that SIGKILL reached and no uninterruptible wait
+        # holds is on its way out; only one held, or one that outlasts this, is unkillable.
         teardown_deadline = deadline + self._config.teardown_timeout
-        tearing_down: list[ProcessInfo] = []
+        dying: list[ProcessInfo] = []
         while True:
             survivors = self._survivors(snapshot)
             memory_ok, memory_note = await self._memory_released(snapshot)
             if not survivors and memory_ok:
                 detail = f"every recorded process is gone; {memory_note}"
-                if tearing_down:
+                if dying:
                     late = self._clock.monotonic() - deadline
-                    pids = ", ".join(f"pid {p.pid}" for p in tearing_down)
-                    detail += f"; the kernel took {late:.1f}s more to tear down {pids}"
+                    pids = ", ".join(f"pid {p.pid}" for p in dying)
+                    detail += f"; the kernel took {late:.1f}s more to end {pids}"
                 return StepOutcome.OK, detail
             now = self._clock.monotonic()
             if now >= deadline:
@@ -431,14 +431,14 @@ class LadderRunner:
                     survivors
                     and _killed(incident)
                     and now < teardown_deadline
-                    and all(condition.tearing_down for _, condition in conditions)
+                    and all(condition.dying for _, condition in conditions)
                 ):
                     break
-                tearing_down = survivors
+                dying = survivors
             await self._sleep(_POLL)
         if not survivors:
             return StepOutcome.NOT_RECOVERED, f"processes gone but {memory_note}"
-        left = ", ".join(f"pid {p.pid} ({p.title}) {c.describe()}" for p, c in conditions)
+        left = ", ".join(_survivor(p, c) for p, c in conditions)
         if not _killed(incident):
             return StepOutcome.FAILED, f"still alive after {timeout:g}s: {left}; {memory_note}"
         waited = self._clock.monotonic() - started
@@ -449,6 +449,7 @@ class LadderRunner:
                 "create_time": p.create_time,
                 "title": p.title,
                 "state": condition.state,
+                "kill_pending": condition.kill_pending,
                 "exiting": condition.exiting,
                 "wait_channel": condition.wait_channel,
             }
@@ -549,6 +550,17 @@ class LadderRunner:
     @staticmethod
     def _note(target: str, sent: bool, reason: str) -> str:
         return f"{target} sent" if sent else f"{target} not signalled ({reason})"
+
+
+def _survivor(process: ProcessInfo, condition: ProcessCondition) -> str:
+    """A survivor as verify names it: what it is, what the kernel shows of it, and whether
+    it ran since the incident opened (a process held in the kernel does not; one starved of
+    CPU hardly does)."""
+    text = f"pid {process.pid} ({process.title}) {condition.describe()}"
+    if condition.cpu_seconds is None:
+        return text
+    opening, now = process.cpu_seconds, condition.cpu_seconds
+    return f"{text}, CPU {opening:.2f}s at the opening, {now:.2f}s now"
 
 
 def _killed(incident: Incident) -> bool:

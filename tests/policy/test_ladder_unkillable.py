@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from pathlib import Path
 
 import aiohttp
@@ -54,8 +54,10 @@ class Rig:
         self.in_the_driver: set[int] = set()
         # Pids whose SIGKILL the kernel refuses (another user's process).
         self.not_permitted: set[int] = set()
-        # Pids that exit this long after SIGKILL reaches them, running their exit meanwhile.
+        # Pids that exit this long after SIGKILL reaches them, the signal pending meanwhile.
         self.exit_delay: dict[int, float] = {}
+        # Pids of `exit_delay` whose exit the kernel runs meanwhile (else they wait for a CPU).
+        self.exit_begun: set[int] = set()
         # Pids of `in_the_driver` that SIGKILL got as far as starting their exit.
         self.stuck_exiting: set[int] = set()
         self._dying: dict[int, float] = {}
@@ -112,10 +114,11 @@ class Rig:
         return StepResult(StepName.CAPTURE, StepOutcome.OK, self.clock.wall(), 0.0, "captured")
 
     def inspect(self, identity: ProcessIdentity) -> ProcessCondition:
-        if identity.pid in self._dying:
-            return ProcessCondition(identity.pid, "running", "0", exiting=True)
-        exiting = identity.pid in self.stuck_exiting
-        return ProcessCondition(identity.pid, "disk-sleep", "nvidia_wait", exiting)
+        pid = identity.pid
+        if pid in self._dying:
+            return ProcessCondition(pid, "running", "0", True, pid in self.exit_begun, 2.5)
+        stuck_exiting = pid in self.stuck_exiting
+        return ProcessCondition(pid, "disk-sleep", "nvidia_wait", stuck_exiting, stuck_exiting)
 
     def report(self, incident_id: str, name: str, value: object) -> None:
         self.reports.append((incident_id, name, value))
@@ -164,6 +167,27 @@ def a_server(rig: Rig) -> None:
     rig.process(103, 100, ProcessRole.ENGINE)
 
 
+def run_a_server(
+    fake: FakePsutil,
+    steps: list[str],
+    *,
+    in_the_driver: Set[int] = frozenset(),
+    stuck_exiting: Set[int] = frozenset(),
+    not_permitted: Set[int] = frozenset(),
+    exit_delay: dict[int, float] | None = None,
+    exit_begun: Set[int] = frozenset(),
+) -> tuple[Rig, Incident]:
+    """`a_server` through the ladder, SIGKILL doing to each pid what the sets say."""
+    rig = Rig(fake, steps)
+    a_server(rig)
+    rig.in_the_driver = set(in_the_driver | stuck_exiting)
+    rig.stuck_exiting = set(stuck_exiting)
+    rig.not_permitted = set(not_permitted)
+    rig.exit_delay = exit_delay or {}
+    rig.exit_begun = set(exit_begun)
+    return rig, rig.run()
+
+
 def step(incident: Incident, name: StepName) -> StepResult:
     return next(s for s in incident.steps if s.step is name)
 
@@ -190,6 +214,7 @@ def test_a_process_that_outlives_sigkill_is_unkillable(fake_psutil: FakePsutil) 
                     "create_time": 100.0,
                     "title": "engine",
                     "state": "disk-sleep",
+                    "kill_pending": False,
                     "exiting": False,
                     "wait_channel": "nvidia_wait",
                 }
@@ -199,47 +224,60 @@ def test_a_process_that_outlives_sigkill_is_unkillable(fake_psutil: FakePsutil) 
 
 
 @pytest.mark.parametrize(
-    ("exit_delay", "stuck_exiting", "outcome", "detail"),
+    ("exit_delay", "exit_begun", "stuck_exiting", "outcome", "detail"),
     [
-        # A big process on a busy CPU: its exit outlasts the release bound, and is waited for.
+        # SIGKILL pending on a process that waits for a busy CPU to act on it: waited for.
         (
             {103: 9.0},
             set(),
+            set(),
             IncidentOutcome.RECOVERED_BY_KILL,
-            "the kernel took 6.0s more to tear down pid 103",
+            "the kernel took 6.0s more to end pid 103",
         ),
-        # Still exiting when the teardown bound ends too: reported, with its state.
+        # A big process whose exit the kernel runs, slowly: waited for too.
+        (
+            {103: 9.0},
+            {103},
+            set(),
+            IncidentOutcome.RECOVERED_BY_KILL,
+            "the kernel took 6.0s more to end pid 103",
+        ),
+        # Still on its way out when the teardown bound ends: reported, with its state.
         (
             {103: 60.0},
+            {103},
             set(),
             IncidentOutcome.UNKILLABLE,
-            "still alive 32.0s after the kill step: pid 103 (engine) running, exiting,"
-            " not waiting in the kernel",
+            "still alive 32.0s after the kill step: pid 103 (engine) running, SIGKILL pending,"
+            " exiting, not waiting in the kernel, CPU 0.00s at the opening, 2.50s now",
         ),
-        # Stuck in the driver on its way out: no teardown in progress, so no longer wait.
+        # Held in the driver on its way out: nothing to wait for, so no longer wait.
         (
             {},
+            set(),
             {103},
             IncidentOutcome.UNKILLABLE,
-            "still alive 2.0s after the kill step: pid 103 (engine) disk-sleep, exiting in"
-            " nvidia_wait",
+            "still alive 2.0s after the kill step: pid 103 (engine) disk-sleep, SIGKILL"
+            " pending, exiting in nvidia_wait",
         ),
     ],
-    ids=["torn-down-late", "teardown-outlasts-its-bound", "stuck-in-exit"],
+    ids=["starved-of-cpu", "torn-down-late", "teardown-outlasts-its-bound", "stuck-in-exit"],
 )
-def test_a_survivor_the_kernel_is_tearing_down_is_waited_for_within_a_bound(
+def test_a_survivor_on_its_way_out_is_waited_for_within_a_bound(
     fake_psutil: FakePsutil,
     exit_delay: dict[int, float],
+    exit_begun: set[int],
     stuck_exiting: set[int],
     outcome: IncidentOutcome,
     detail: str,
 ) -> None:
-    rig = Rig(fake_psutil, WITH_KILL)
-    a_server(rig)
-    rig.exit_delay = exit_delay
-    rig.in_the_driver = stuck_exiting
-    rig.stuck_exiting = stuck_exiting
-    incident = rig.run()
+    rig, incident = run_a_server(
+        fake_psutil,
+        WITH_KILL,
+        stuck_exiting=stuck_exiting,
+        exit_delay=exit_delay,
+        exit_begun=exit_begun,
+    )
     assert incident.outcome is outcome
     assert step(incident, StepName.KILL).outcome is StepOutcome.NOT_RECOVERED
     assert detail in step(incident, StepName.VERIFY).detail
@@ -294,12 +332,13 @@ def test_outcomes_other_than_unkillable(
     outcome: IncidentOutcome,
     kill: StepOutcome | None,
 ) -> None:
-    rig = Rig(fake_psutil, steps)
-    a_server(rig)
-    rig.in_the_driver = in_the_driver
-    rig.not_permitted = not_permitted
-    rig.exit_delay = exit_delay
-    incident = rig.run()
+    rig, incident = run_a_server(
+        fake_psutil,
+        steps,
+        in_the_driver=in_the_driver,
+        not_permitted=not_permitted,
+        exit_delay=exit_delay,
+    )
     assert incident.outcome is outcome
     kill_step = next((s for s in incident.steps if s.step is StepName.KILL), None)
     assert (kill_step.outcome if kill_step else None) == kill
@@ -329,25 +368,77 @@ def stat_line(flags: int) -> str:
     return f"103 (VLLM::Engine (1)) R 100 100 100 0 -1 {flags} 0 0 0 0 1 2 0 0 20 0 4 0\n"
 
 
+# /proc/<pid>/status with the pending-signal masks as given.
+def status_text(own: int, shared: int) -> str:
+    return (
+        f"Name:\tVLLM::Engine\nState:\tR (running)\nSigPnd:\t{own:016x}\nShdPnd:\t{shared:016x}\n"
+    )
+
+
+RUNNING, EXITING = 0x400100, 0x40040C
+SIGKILL_MASK = 1 << 8
+
+
 @pytest.mark.parametrize(
-    ("wchan", "state", "flags", "described", "tearing_down"),
+    ("wchan", "state", "flags", "pending", "described", "dying"),
     [
-        ("nvidia_wait\n", "disk-sleep", 0x400100, "disk-sleep in nvidia_wait", False),
-        ("nvidia_wait\n", "disk-sleep", 0x40040C, "disk-sleep, exiting in nvidia_wait", False),
-        ("0", "running", 0x400100, "running, not waiting in the kernel", False),
-        ("0", "running", 0x40040C, "running, exiting, not waiting in the kernel", True),
-        ("0", "sleeping", 0x400100, "sleeping, wait channel hidden by the kernel", False),
-        (None, "disk-sleep", None, "disk-sleep, wait channel unreadable", False),
+        ("nvidia_wait\n", "disk-sleep", RUNNING, (0, 0), "disk-sleep in nvidia_wait", False),
+        (
+            "nvidia_wait\n",
+            "disk-sleep",
+            EXITING,
+            (SIGKILL_MASK, SIGKILL_MASK),
+            "disk-sleep, SIGKILL pending, exiting in nvidia_wait",
+            False,
+        ),
+        ("0", "running", RUNNING, (0, 0), "running, not waiting in the kernel", False),
+        (
+            "0",
+            "running",
+            RUNNING,
+            (0, SIGKILL_MASK),
+            "running, SIGKILL pending, not waiting in the kernel",
+            True,
+        ),
+        (
+            "0",
+            "running",
+            RUNNING,
+            (SIGKILL_MASK, 0),
+            "running, SIGKILL pending, not waiting in the kernel",
+            True,
+        ),
+        ("0", "running", EXITING, (0, 0), "running, exiting, not waiting in the kernel", True),
+        (
+            "0",
+            "sleeping",
+            RUNNING,
+            (0, 1 << 14),
+            "sleeping, wait channel hidden by the kernel",
+            False,
+        ),
+        (None, "disk-sleep", None, None, "disk-sleep, wait channel unreadable", False),
+    ],
+    ids=[
+        "in-the-driver",
+        "in-the-driver-killed",
+        "running",
+        "kill-pending-on-the-process",
+        "kill-pending-on-its-thread",
+        "exiting",
+        "sigterm-pending",
+        "unreadable",
     ],
 )
-def test_read_condition_reads_state_exit_and_wait_channel(
+def test_read_condition_reads_state_signals_exit_and_wait_channel(
     tmp_path: Path,
     fake_psutil: FakePsutil,
     wchan: str | None,
     state: str,
     flags: int | None,
+    pending: tuple[int, int] | None,
     described: str,
-    tearing_down: bool,
+    dying: bool,
 ) -> None:
     fake_psutil.add(103, pgid=100).state = state
     (tmp_path / "103").mkdir()
@@ -355,10 +446,13 @@ def test_read_condition_reads_state_exit_and_wait_channel(
         (tmp_path / "103" / "wchan").write_text(wchan)
     if flags is not None:
         (tmp_path / "103" / "stat").write_text(stat_line(flags))
+    if pending is not None:
+        (tmp_path / "103" / "status").write_text(status_text(*pending))
     condition = read_condition(ProcessIdentity(103, 100.0), fake_psutil, tmp_path)
     assert condition.pid == 103 and condition.state == state
+    assert condition.cpu_seconds == 2.0
     assert condition.describe() == described
-    assert condition.tearing_down is tearing_down
+    assert condition.dying is dying
 
 
 def test_read_condition_of_a_gone_process(tmp_path: Path, fake_psutil: FakePsutil) -> None:
