@@ -191,7 +191,8 @@ def described(incidents: Any) -> list[str]:
             + ", ".join(f"{e.kind.value} since {e.since:.1f}: {e.detail}" for e in v.evidence)
             for v in incident.verdicts
         )
-        + f"; steps {[(s.step.value, s.outcome.value) for s in incident.steps]}"
+        + "\n"
+        + steps_of(incident)
         for incident in incidents
     ]
 
