@@ -153,7 +153,9 @@ def _assemble(
         server_topology=read_server_config,
         # A pidfd names a process of this kernel; the pids of a fake table are not its.
         exit_notices=ExitNotices(start_time) if process_table is psutil else None,
-        cpu_wait=ThreadWaits() if process_table is psutil else lambda pid: 0.0,
+        cpu_wait=ThreadWaits(clock=clock.monotonic)
+        if process_table is psutil
+        else lambda pid, runnable: 0.0,
     )
     # Without the process probe nothing records the senders' processes: spans are then
     # judged only against the topology.

@@ -71,6 +71,8 @@ MAX_PROCESSES_PER_STAGE = 512
 # be heard again.
 STARVED_WAIT_SHARE = 0.1
 STARVED_WINDOW_SHARE = 0.5
+# Less CPU wait than this, since a stage's last beat, goes unsaid in its evidence.
+WAIT_WORTH_SAYING = 0.1
 # Readings of its CPU wait kept per process: enough to span that window at any interval.
 WAIT_READINGS = 32
 
@@ -596,14 +598,8 @@ class Detector:
         """The longest any live process of the stage has waited for a CPU since its loop
         last beat. A stage stuck in a spin loop waits too, on a loaded host, so it is still
         judged: once `confirm_timeout` has passed without it waiting."""
-        return max(
-            (
-                p.info.cpu_wait_seconds - p.wait_at_beat
-                for p in memory.processes.values()
-                if p.exited_at is None
-            ),
-            default=0.0,
-        )
+        waiter = _busiest_waiter(memory)
+        return waiter[1] if waiter else 0.0
 
     def _head_verdict(self, statuses: list[StageStatus], now: float) -> list[Verdict]:
         """The head's own verdict when its server has stayed unhealthy for `remote_grace`
@@ -711,7 +707,7 @@ class Detector:
                 memory.last_heartbeat,
                 config.heartbeat_timeout,
                 now,
-                lambda silent: f"no loop heartbeat for {silent:.1f}s",
+                lambda silent: f"no loop heartbeat for {silent:.1f}s{_wait_note(memory)}",
             )
         deadline = self.deadline(ref.stage_id)
         late = self._pending.overdue(ref.stage_id, deadline, now, self._blind)
@@ -1026,3 +1022,23 @@ def _unseen(blind: float) -> str:
 def _word(obs: Observation) -> str:
     """An observation's outcome as the word people read in evidence."""
     return obs.outcome.value if obs.outcome is not None else ""
+
+
+def _busiest_waiter(memory: _StageMemory) -> tuple[int, float] | None:
+    """The live process of the stage that has waited longest for a CPU since its loop last
+    beat, and how long."""
+    waits = [
+        (pid, p.info.cpu_wait_seconds - p.wait_at_beat)
+        for pid, p in memory.processes.items()
+        if p.exited_at is None
+    ]
+    return max(waits, key=lambda wait: wait[1], default=None)
+
+
+def _wait_note(memory: _StageMemory) -> str:
+    """What a silent stage's processes waited for a CPU meanwhile, when they waited enough
+    to say: on-call reads a busy host in the verdict, not only in the host's graphs."""
+    waiter = _busiest_waiter(memory)
+    if waiter is None or waiter[1] < WAIT_WORTH_SAYING:
+        return ""
+    return f"; pid {waiter[0]} waited {waiter[1]:.1f}s for a CPU since"

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -152,11 +153,12 @@ class ProcessTracker:
         server_topology: Callable[[int], Topology | None] = lambda pid: None,
         exit_notices: ExitNotices | None = None,
         headless: bool = False,
-        cpu_wait: Callable[[int], float] = lambda pid: 0.0,
+        cpu_wait: Callable[[int, bool], float] = lambda pid, runnable: 0.0,
     ) -> None:
         """`headless`: without a pid, the server is found by its `--headless` command line
         (a vLLM-Omni 0.30 stage server on this host), not by a listening port. `cpu_wait`
-        reads how long a process has waited for a CPU (`ThreadWaits` for this kernel's)."""
+        reads how long a process has waited for a CPU, told whether its main thread is
+        runnable now (`ThreadWaits` for this kernel's)."""
         if pid is None and target_port is None and not headless:
             raise ValueError("ProcessTracker needs the server's pid or its port")
         self._headless = headless
@@ -681,7 +683,7 @@ class ProcessTracker:
             title=title,
             status=status,
             cpu_seconds=cpu_seconds,
-            cpu_wait_seconds=self._cpu_wait(process.pid),
+            cpu_wait_seconds=self._cpu_wait(process.pid, status is ProcessStatus.RUNNING),
         )
 
     def _not_found_reason(self) -> str:
@@ -699,42 +701,95 @@ MAX_THREADS_READ = 256
 MAX_PROCESSES_REMEMBERED = 1024
 
 
+@dataclass
+class _ThreadsReading:
+    """One process's threads as last read: when, and each thread's (CPU time, wait)."""
+
+    at: float
+    threads: dict[int, tuple[float, float]]
+    main_runnable: bool
+    # Wait counted for the main thread as it waited since it last ran: its own figure,
+    # when it runs, holds that too.
+    main_counted: float
+    # The counter holds waits up to this moment.
+    counted_to: float
+
+
 class ThreadWaits:
-    """How long a process's busiest-waiting thread has waited, runnable, for a CPU.
+    """How long a process's threads have waited, runnable, for a CPU: the time during
+    which some thread of it waited, as near as readings tell.
 
     The kernel counts each thread's run-queue delay (`/proc/<pid>/task/<tid>/schedstat`,
     its second field, in ns). A stage's heartbeat passes through two threads, the loop that
     beats and the exporter that sends it; either one waiting leaves the stage silent, and
-    the process's own schedstat is only its main thread's. So each reading adds the
-    largest wait any one thread gained since the last reading: a counter that grows while
-    some thread of the process waits, never faster than time passes (summed over threads
-    it would, and a stage's waits would outlast its silence).
+    the process's own schedstat is only its main thread's. The kernel adds a wait to a
+    thread's figure only once the thread gets its CPU, so a figure that grows at a reading
+    tells of a wait that ended since the last one. Each is taken to end at the reading
+    that sees it, the latest it can: waits of threads that overlap then count once, and
+    the counter never grows faster than time passes (summed over threads it would, and a
+    stage's waits would outlast its silence).
+
+    A thread starved for seconds shows no wait until it runs. But a main thread runnable
+    (state R) at two readings whose CPU time (the first field, to the ns) did not move
+    between them waited throughout, as to leave the run queue it must run: that time
+    counts as it passes, and not again when its figure catches up.
     """
 
-    def __init__(self, proc: Path = process_start.PROC) -> None:
+    def __init__(
+        self,
+        proc: Path = process_start.PROC,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._proc = proc
-        self._threads: dict[int, dict[int, float]] = {}
+        self._clock = clock
+        self._readings: dict[int, _ThreadsReading] = {}
         self._total: dict[int, float] = {}
 
-    def __call__(self, pid: int) -> float:
-        """The counter for `pid`, in seconds; 0 when the kernel does not say."""
-        waits = self._read(pid)
-        if not waits:
+    def __call__(self, pid: int, runnable: bool) -> float:
+        """The counter for `pid`, in seconds; 0 when the kernel does not say. `runnable`:
+        its main thread's state is R now (running or waiting for a CPU)."""
+        now = self._clock()
+        threads = self._read(pid)
+        if not threads:
             return self._total.get(pid, 0.0)
         # Popped and put back: the least recently read come first when some must go.
-        before = self._threads.pop(pid, None)
+        before = self._readings.pop(pid, None)
         if before is None:
-            if len(self._threads) >= MAX_PROCESSES_REMEMBERED:
+            if len(self._readings) >= MAX_PROCESSES_REMEMBERED:
                 self._forget_gone()
-            gained = max(waits.values())
+            reading = _ThreadsReading(now, threads, runnable, 0.0, now)
+            gained = max(wait for _, wait in threads.values())
         else:
-            # A thread new since the last reading waited all of its wait since then.
-            gained = max(max(0.0, wait - before.get(tid, 0.0)) for tid, wait in waits.items())
-        self._threads[pid] = waits
+            reading = _ThreadsReading(now, threads, runnable, 0.0, before.counted_to)
+            gained = self._gained(pid, before, reading)
+        self._readings[pid] = reading
         self._total[pid] = self._total.get(pid, 0.0) + gained
         return self._total[pid]
 
-    def _read(self, pid: int) -> dict[int, float]:
+    @staticmethod
+    def _gained(pid: int, before: _ThreadsReading, now: _ThreadsReading) -> float:
+        """The counter's growth since `before`; sets `now`'s main_counted and counted_to.
+        A thread new since then waited all of its wait since then."""
+        gains = {
+            tid: max(0.0, wait - before.threads.get(tid, (0.0, 0.0))[1])
+            for tid, (_, wait) in now.threads.items()
+        }
+        main, main_before = now.threads.get(pid), before.threads.get(pid)
+        if main is not None and main_before is not None:
+            if now.main_runnable and before.main_runnable and main[0] == main_before[0]:
+                gains[pid] = now.at - before.at
+                now.main_counted = before.main_counted + gains[pid]
+            elif main[0] != main_before[0]:
+                gains[pid] = max(0.0, gains[pid] - before.main_counted)
+            else:
+                now.main_counted = before.main_counted
+        longest = max(gains.values())
+        if longest <= 0.0:
+            return 0.0
+        now.counted_to = now.at
+        return min(longest, now.at - before.counted_to)
+
+    def _read(self, pid: int) -> dict[int, tuple[float, float]]:
         # Plain descriptors, not Path.read_text: this runs for every thread of the tree at
         # each scan, and they read 61 threads in 0.4 ms where Path took 1.3 ms.
         tasks = f"{self._proc}/{pid}/task/"
@@ -742,7 +797,7 @@ class ThreadWaits:
             tids = sorted(int(name) for name in os.listdir(tasks))
         except (OSError, ValueError):
             return {}
-        waits: dict[int, float] = {}
+        threads: dict[int, tuple[float, float]] = {}
         for tid in tids[:MAX_THREADS_READ]:
             try:
                 descriptor = os.open(f"{tasks}{tid}/schedstat", os.O_RDONLY)
@@ -750,18 +805,18 @@ class ThreadWaits:
                     fields = os.read(descriptor, 128).split()
                 finally:
                     os.close(descriptor)
-                waits[tid] = int(fields[1]) / 1e9
+                threads[tid] = (int(fields[0]) / 1e9, int(fields[1]) / 1e9)
             except (OSError, IndexError, ValueError):
                 continue  # the thread ended between the listing and the read
-        return waits
+        return threads
 
     def _forget_gone(self) -> None:
-        for pid in [pid for pid in self._threads if not (self._proc / str(pid)).exists()]:
-            del self._threads[pid]
+        for pid in [pid for pid in self._readings if not (self._proc / str(pid)).exists()]:
+            del self._readings[pid]
             self._total.pop(pid, None)
-        while len(self._threads) >= MAX_PROCESSES_REMEMBERED:
-            pid = next(iter(self._threads))
-            del self._threads[pid]
+        while len(self._readings) >= MAX_PROCESSES_REMEMBERED:
+            pid = next(iter(self._readings))
+            del self._readings[pid]
             self._total.pop(pid, None)
 
 

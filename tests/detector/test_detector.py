@@ -1184,3 +1184,28 @@ def test_a_stage_starved_of_cpu_is_judged_only_once_its_silence_stood(
     assert (found and (found[0], found[1].stage, found[1].state)) == (
         verdict and (verdict[0], S1, verdict[1])
     )
+
+
+@pytest.mark.parametrize(
+    ("world", "said"),
+    [
+        pytest.param(
+            World(engines={S1: ProcessStatus.SLEEPING}),
+            "no loop heartbeat for 4.0s",
+            id="no-wait-goes-unsaid",
+        ),
+        pytest.param(
+            World(engines={S1: ProcessStatus.RUNNING}, starved={S1}),
+            "no loop heartbeat for 23.0s; pid 200 waited 12.0s for a CPU since",
+            id="a-starved-engine-is-named-with-its-wait",
+        ),
+    ],
+)
+def test_a_lost_heartbeat_says_how_long_the_stage_waited_for_a_cpu_meanwhile(
+    world: World, said: str
+) -> None:
+    world.canary = HealthOutcome.OK
+    found = first_verdict(run(THREE_STAGES, world, 40, talker_silent_from(SILENT_FROM, None)))
+    assert found is not None
+    details = [e.detail for e in found[1].evidence if e.kind is EvidenceKind.HEARTBEAT_LOST]
+    assert details == [said]

@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import psutil
@@ -66,7 +68,7 @@ def fake_tracker(
     table: FakePsutil,
     pid: int | None = None,
     topology: Topology = TWO_STAGES,
-    cpu_wait: Callable[[int], float] = lambda pid: 0.0,
+    cpu_wait: Callable[[int, bool], float] = lambda pid, runnable: 0.0,
 ) -> ProcessTracker:
     return ProcessTracker(
         table,
@@ -812,7 +814,7 @@ def test_each_process_carries_how_long_it_waited_for_a_cpu() -> None:
     table.add(100, 1, "vllm serve --omni")
     table.add(101, 100, "VLLM::StageEngineCoreProc_stage0_replica0_DP0")
     table.listening = [100]
-    tracker = fake_tracker(table, cpu_wait=lambda pid: pid / 100)
+    tracker = fake_tracker(table, cpu_wait=lambda pid, runnable: pid / 100)
     collect(tracker)
     assert {pid: info.cpu_wait_seconds for pid, info in by_pid(tracker).items()} == {
         100: 1.0,
@@ -824,15 +826,29 @@ def test_the_kernels_run_queue_delay_is_read_from_every_thread_and_a_missing_one
     waits = ThreadWaits()
     schedstat = Path(f"/proc/{os.getpid()}/schedstat").read_text().split()
     # The first reading is the busiest-waiting thread's, the main thread's or more.
-    assert waits(os.getpid()) >= int(schedstat[1]) / 1e9
-    assert waits(2**22 + 1) == 0.0  # above any pid the kernel hands out
+    assert waits(os.getpid(), True) >= int(schedstat[1]) / 1e9
+    assert waits(2**22 + 1, False) == 0.0  # above any pid the kernel hands out
 
 
-def write_waits(proc: Path, pid: int, seconds: dict[int, float]) -> None:
+def write_waits(
+    proc: Path, pid: int, seconds: dict[int, float], cpu: dict[int, float] | None = None
+) -> None:
     for tid, waited in seconds.items():
         task = proc / str(pid) / "task" / str(tid)
         task.mkdir(parents=True, exist_ok=True)
-        (task / "schedstat").write_text(f"123 {int(waited * 1e9)} 7\n")
+        ran = (cpu or {}).get(tid, 0.123)
+        (task / "schedstat").write_text(f"{int(ran * 1e9)} {int(waited * 1e9)} 7\n")
+
+
+class ReadingClock:
+    """A reading a second after the one before."""
+
+    def __init__(self) -> None:
+        self.now = -1.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
 
 
 @pytest.mark.parametrize(
@@ -850,6 +866,11 @@ def write_waits(proc: Path, pid: int, seconds: dict[int, float]) -> None:
             id="threads-waiting-together-count-once-not-summed",
         ),
         pytest.param(
+            [{1: 0.0, 2: 0.0}, {1: 0.0, 2: 0.0}, {1: 0.0, 2: 1.5}, {1: 1.8, 2: 1.5}],
+            [0.0, 0.0, 1.5, 2.5],
+            id="waits-that-show-at-different-readings-count-no-faster-than-time-passes",
+        ),
+        pytest.param(
             [{1: 1.0}, {1: 1.0, 3: 0.3}],
             [1.0, 1.3],
             id="a-new-thread-counts-its-whole-wait",
@@ -864,30 +885,171 @@ def write_waits(proc: Path, pid: int, seconds: dict[int, float]) -> None:
 def test_thread_waits_grow_by_the_busiest_threads_gain(
     tmp_path: Path, readings: list[dict[int, float]], counters: list[float]
 ) -> None:
-    waits = ThreadWaits(tmp_path)
+    waits = ThreadWaits(tmp_path, ReadingClock())
     seen = []
     for reading in readings:
         write_waits(tmp_path, 100, reading)
-        seen.append(waits(100))
+        seen.append(waits(100, False))
     assert seen == pytest.approx(counters)
+
+
+# Each row: readings a second apart of the main thread 100 (state R or not, CPU time, the
+# kernel's wait) and of a side thread 101 (the kernel's wait), and the counter after each.
+MAIN_THREAD_WAITS = [
+    pytest.param(
+        [
+            (True, 1.0, 0.5, 0.0),
+            (True, 1.0, 0.5, 0.0),
+            (True, 1.0, 0.5, 0.0),
+            (True, 1.2, 2.5, 0.0),
+        ],
+        [0.5, 1.5, 2.5, 2.5],
+        id="runnable-and-not-run-waits-as-time-passes-then-the-kernels-figure-is-not-counted-twice",
+    ),
+    pytest.param(
+        [
+            (True, 1.0, 0.5, 0.5),
+            (True, 1.0, 0.5, 0.5),
+            (True, 1.0, 0.5, 0.5),
+            (True, 1.1, 2.5, 2.5),
+        ],
+        # Both may have run at once at 2 s or at 3 s: the later, and no faster than time.
+        [0.5, 1.5, 2.5, 3.5],
+        id="a-side-thread-that-waited-beside-it-counts-only-the-time-since-the-last-count",
+    ),
+    pytest.param(
+        [(True, 1.0, 0.5, 0.0), (True, 1.9, 0.6, 0.0), (True, 2.8, 0.7, 0.0)],
+        [0.5, 0.6, 0.7],
+        id="runnable-and-running-waits-only-what-the-kernel-says",
+    ),
+    pytest.param(
+        [
+            (False, 1.0, 0.5, 0.0),
+            (True, 1.0, 0.5, 0.0),
+            (True, 1.0, 0.5, 0.0),
+            (True, 1.1, 1.8, 0.0),
+        ],
+        [0.5, 0.5, 1.5, 1.8],
+        id="woken-between-readings-counts-from-the-first-reading-that-sees-it-runnable",
+    ),
+    pytest.param(
+        [(False, 1.0, 0.5, 0.0), (False, 1.0, 0.5, 0.0), (False, 1.0, 0.5, 0.0)],
+        [0.5, 0.5, 0.5],
+        id="asleep-waits-nothing",
+    ),
+    pytest.param(
+        [(True, 1.0, 0.5, 0.0), (True, 1.0, 0.5, 0.0), (True, 1.3, 0.9, 0.0)],
+        [0.5, 1.5, 1.5],
+        id="the-kernel-saying-less-than-was-counted-never-takes-the-counter-back",
+    ),
+    pytest.param(
+        [
+            (True, 1.0, 0.5, 0.0),
+            (True, 1.0, 0.5, 0.0),
+            (False, 1.0, 0.5, 0.0),
+            (True, 1.1, 2.0, 0.0),
+        ],
+        [0.5, 1.5, 1.5, 2.0],
+        id="a-state-misread-between-keeps-what-was-counted-for-the-kernels-figure",
+    ),
+]
+
+
+@pytest.mark.parametrize(("readings", "counters"), MAIN_THREAD_WAITS)
+def test_a_main_thread_runnable_and_not_run_has_waited_though_the_kernel_does_not_say_yet(
+    tmp_path: Path, readings: list[tuple[bool, float, float, float]], counters: list[float]
+) -> None:
+    waits = ThreadWaits(tmp_path, ReadingClock())
+    seen = []
+    for runnable, ran, waited, side_waited in readings:
+        write_waits(tmp_path, 100, {100: waited, 101: side_waited}, {100: ran})
+        seen.append(waits(100, runnable))
+    assert seen == pytest.approx(counters)
+
+
+def test_only_the_main_threads_state_is_known_so_a_side_thread_waits_what_the_kernel_says(
+    tmp_path: Path,
+) -> None:
+    waits = ThreadWaits(tmp_path, ReadingClock())
+    seen = []
+    for main_ran in (1.0, 1.5, 2.0):
+        write_waits(tmp_path, 100, {100: 0.1, 101: 0.2}, {100: main_ran, 101: 3.0})
+        seen.append(waits(100, True))
+    assert seen == pytest.approx([0.2, 0.2, 0.2])
+
+
+# Two threads that spin at once: hashing a large buffer lets go of the GIL.
+TWO_SPINNING_THREADS = """
+import hashlib, threading
+def hash_forever():
+    data = bytes(1 << 22)
+    while True:
+        hashlib.sha256(data).digest()
+threading.Thread(target=hash_forever, daemon=True).start()
+while True:
+    pass
+"""
+
+
+@pytest.mark.e2e
+def test_a_process_starved_of_its_core_waits_as_time_passes_not_only_when_it_next_runs() -> None:
+    """On this kernel: a process of two spinning threads kept off its one core by a
+    spinner (`SCHED_IDLE` beside `SCHED_OTHER`) gets a slice about once a second; between
+    slices the kernel's figures stand still and the counter does not, and when they catch
+    up the counter has not grown faster than time passed."""
+    core = {min(os.sched_getaffinity(0))}
+    with (
+        subprocess.Popen([sys.executable, "-c", TWO_SPINNING_THREADS]) as starved,
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) as hog,
+    ):
+        try:
+            os.sched_setaffinity(hog.pid, core)
+            deadline = time.monotonic() + 30
+            while len(os.listdir(f"/proc/{starved.pid}/task")) < 2:
+                assert time.monotonic() < deadline, "the second thread never started"
+                time.sleep(0.05)
+            for tid in os.listdir(f"/proc/{starved.pid}/task"):
+                os.sched_setaffinity(int(tid), core)
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+            waits = ThreadWaits()
+            readings = []
+            for _ in range(30):
+                runnable = psutil.Process(starved.pid).status() == psutil.STATUS_RUNNING
+                ran = Path(f"/proc/{starved.pid}/schedstat").read_text().split()[0]
+                readings.append((time.monotonic(), runnable, ran, waits(starved.pid, runnable)))
+                time.sleep(0.1)
+        finally:
+            hog.kill()
+            starved.kill()
+    unrun = [
+        (now - then, counter - counted)
+        for (then, was_runnable, ran_then, counted), (now, runnable, ran, counter) in pairwise(
+            readings
+        )
+        if was_runnable and runnable and ran == ran_then
+    ]
+    assert unrun, f"never runnable and unrun between two readings: {readings}"
+    assert all(grown >= 0.9 * passed for passed, grown in unrun), unrun
+    first, last = readings[0], readings[-1]
+    assert last[3] - first[3] <= (last[0] - first[0]) * 1.05, readings
 
 
 def test_thread_waits_keep_the_count_of_a_process_gone_and_forget_the_gone_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(processes, "MAX_PROCESSES_REMEMBERED", 2)
-    waits = ThreadWaits(tmp_path)
+    waits = ThreadWaits(tmp_path, ReadingClock())
     write_waits(tmp_path, 100, {100: 1.0})
     write_waits(tmp_path, 200, {200: 2.0})
-    assert (waits(100), waits(200)) == (1.0, 2.0)
+    assert (waits(100, False), waits(200, False)) == (1.0, 2.0)
     shutil.rmtree(tmp_path / "100")
-    assert waits(100) == 1.0  # a process that vanished mid-scan loses nothing
+    assert waits(100, False) == 1.0  # a process that vanished mid-scan loses nothing
     write_waits(tmp_path, 300, {300: 3.0})
-    assert waits(300) == 3.0  # 100 is gone from the kernel: it is forgotten, 200 is not
+    assert waits(300, False) == 3.0  # 100 is gone from the kernel: it is forgotten, 200 is not
     write_waits(tmp_path, 200, {200: 2.5})
-    assert waits(200) == 2.5
+    assert waits(200, False) == 2.5
     write_waits(tmp_path, 400, {400: 4.0})
-    assert waits(400) == 4.0  # none gone: the least recently read (300) makes room
+    assert waits(400, False) == 4.0  # none gone: the least recently read (300) makes room
     write_waits(tmp_path, 200, {200: 2.7})
-    assert waits(200) == pytest.approx(2.7)
-    assert waits(100) == 0.0
+    assert waits(200, False) == pytest.approx(2.7)
+    assert waits(100, False) == 0.0
