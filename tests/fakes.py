@@ -58,6 +58,9 @@ class FakeProcess:
     # (ip, port) of the peers it holds established TCP connections to.
     connected_to: set[tuple[str, int]] = field(default_factory=set)
     env: dict[str, str] = field(default_factory=dict)
+    # The kernel's name for it, which a zombie keeps: its executable's, or a title set
+    # by the process, cut to 15 characters.
+    comm: str = "python3"
 
     def oneshot(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -69,7 +72,7 @@ class FakeProcess:
         return self.parent
 
     def name(self) -> str:
-        return "python3"
+        return self.comm
 
     def cmdline(self) -> list[str]:
         if self.state == FakePsutil.STATUS_ZOMBIE:

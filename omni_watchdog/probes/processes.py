@@ -663,7 +663,9 @@ class ProcessTracker:
                 # Titles reach the API, logs and bundles: a secret on the command line must not.
                 title = " ".join(part for part in redact_argv(process.cmdline()) if part).strip()
                 title = title or process.name()
-            except (psutil.ZombieProcess, psutil.AccessDenied):
+            except psutil.ZombieProcess:
+                title = self._zombie_name(process)
+            except psutil.AccessDenied:
                 title = ""
             try:
                 times = process.cpu_times()
@@ -685,6 +687,15 @@ class ProcessTracker:
             cpu_seconds=cpu_seconds,
             cpu_wait_seconds=self._cpu_wait(process.pid, status is ProcessStatus.RUNNING),
         )
+
+    def _zombie_name(self, process: ProcessHandle) -> str:
+        """A zombie's command line is gone, but the kernel keeps its name, which a title
+        vLLM set names too (cut to 15 characters): a worker that died before it was first
+        read is still known as a worker, and its death as its stage's."""
+        try:
+            return process.name()
+        except self._psutil.Error:
+            return ""
 
     def _not_found_reason(self) -> str:
         if self._pid is not None:

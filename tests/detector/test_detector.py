@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from omni_watchdog.detector.expectations import (
     BlindSpells,
     PendingRequests,
 )
+from omni_watchdog.probes.processes import ThreadWaits
 from omni_watchdog.types import (
     DetectorReport,
     EvidenceKind,
@@ -1184,6 +1186,74 @@ def test_a_stage_starved_of_cpu_is_judged_only_once_its_silence_stood(
     assert (found and (found[0], found[1].stage, found[1].state)) == (
         verdict and (verdict[0], S1, verdict[1])
     )
+
+
+def held_off_its_core(
+    tmp_path: Path, through_thread_waits: bool, seconds: float = 24.0, step: float = 0.25
+) -> list[DetectorReport]:
+    """The talker's engine, as the real vLLM-Omni's worker under load was read: runnable
+    throughout, held off its core from second 10 to 18 but for a slice every 1.5 s, its
+    kernel figures standing still between slices; the talker silent and the canary
+    failing meanwhile. Read `through_thread_waits`, or the main thread's figure alone."""
+    config = dataclasses.replace(CONFIG, heartbeat_timeout=2.0, confirm_timeout=6.0)
+    clock = FakeClock(start=0.0)
+    waits = ThreadWaits(tmp_path, clock.monotonic)
+    detector = Detector(config, THREE_STAGES, clock.monotonic())
+    ran, waited, last_slice = 1.0, 0.5, 0.0
+    reports = []
+    while clock.monotonic() < seconds:
+        now = clock.monotonic()
+        held_off = 10.0 <= now < 18.0
+        if not held_off or now - last_slice >= 1.5:
+            waited += now - last_slice - 0.01 if held_off else 0.0
+            ran, last_slice = ran + 0.01, now
+        task = tmp_path / "200" / "task" / "200"
+        task.mkdir(parents=True, exist_ok=True)
+        (task / "schedstat").write_text(f"{int(ran * 1e9)} {int(waited * 1e9)} 9\n")
+        wait = waits(200, True) if through_thread_waits else waited
+        engine = process(200, S1, ProcessRole.ENGINE, ProcessStatus.RUNNING, ran, wait)
+        silent = held_off and now >= 10.5
+        observations = [
+            Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK),
+            Observation(ObservationKind.PROCESS, now, process=ROOT, outcome=ProcessStatus.SLEEPING),
+            Observation(ObservationKind.PROCESS, now, process=engine, outcome=engine.status),
+            Observation(
+                ObservationKind.CANARY,
+                now,
+                outcome=HealthOutcome.TIMEOUT if silent else HealthOutcome.OK,
+            ),
+        ]
+        observations += [
+            Observation(ObservationKind.HEARTBEAT, now, stage=ref)
+            for ref in ({S0, S2} if silent else {S0, S1, S2})
+        ]
+        detector.observe(observations)
+        reports.append(detector.evaluate(now))
+        clock.advance(step)
+    return reports
+
+
+@pytest.mark.parametrize(
+    ("through_thread_waits", "verdict"),
+    [
+        pytest.param(True, None, id="through-thread-waits-starved-until-its-core-is-back"),
+        pytest.param(
+            False, StageState.STALLED, id="the-kernels-figure-alone-judged-it-stalled-as-measured"
+        ),
+    ],
+)
+def test_an_engine_held_off_its_core_is_starved_before_the_kernel_says_it_waited(
+    tmp_path: Path, through_thread_waits: bool, verdict: StageState | None
+) -> None:
+    """Measured: in `make test`, a healthy real vLLM-Omni was judged stalled and shut down
+    while a second server started beside it on two cores; its worker's run-queue delay
+    stood still for 1.25 s, then jumped by 1.6 s, and the starvation rule saw no wait."""
+    reports = held_off_its_core(tmp_path, through_thread_waits)
+    found = first_verdict(reports)
+    assert (found and found[1].state) == verdict
+    if verdict is None:
+        assert StageState.DEGRADED in {state_of(r, S1) for r in reports}
+        assert state_of(reports[-1], S1) is StageState.HEALTHY
 
 
 @pytest.mark.parametrize(

@@ -270,6 +270,23 @@ def test_zombies_stopped_and_disk_sleep_are_reported() -> None:
     assert roles(tracker)[101] == (ProcessRole.ENGINE, StageRef(0))
 
 
+def test_a_worker_already_a_zombie_when_first_read_is_still_its_stages_worker() -> None:
+    """Measured on the real vLLM-Omni: a worker killed by its first forward, the canary's,
+    was a zombie at the first scan; with no command line left it was a nameless helper,
+    and its stage was judged `stalled` before its engine's exit made it `dead`."""
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve --omni")
+    table.add(101, 100, "VLLM::StageEngineCoreProc_stage0_replica0_DP0")
+    table.add(102, 101, "VLLM::Worker", status="zombie").comm = "VLLM::Worker"
+    table.add(103, 101, "lscpu", status="zombie").comm = "lscpu"
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    outcomes = {o.pid: o.outcome for o in collect(tracker)}
+    assert (outcomes[102], outcomes[103]) == ("zombie", "zombie")
+    assert roles(tracker)[102] == (ProcessRole.WORKER, StageRef(0))
+    assert roles(tracker)[103] == (ProcessRole.HELPER, None)
+
+
 def test_pid_reuse_is_an_exit_and_the_new_process_is_not_ours() -> None:
     table = FakePsutil()
     table.add(100, 1, "vllm serve")
@@ -1011,27 +1028,35 @@ def test_a_process_starved_of_its_core_waits_as_time_passes_not_only_when_it_nex
             for tid in os.listdir(f"/proc/{starved.pid}/task"):
                 os.sched_setaffinity(int(tid), core)
                 os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-            waits = ThreadWaits()
+            read_at: list[float] = []
+
+            def clock() -> float:
+                read_at.append(time.monotonic())
+                return read_at[-1]
+
+            waits = ThreadWaits(clock=clock)
             readings = []
             for _ in range(30):
                 runnable = psutil.Process(starved.pid).status() == psutil.STATUS_RUNNING
                 ran = Path(f"/proc/{starved.pid}/schedstat").read_text().split()[0]
-                readings.append((time.monotonic(), runnable, ran, waits(starved.pid, runnable)))
+                readings.append((runnable, ran, waits(starved.pid, runnable)))
                 time.sleep(0.1)
         finally:
             hog.kill()
             starved.kill()
+    timed = list(zip(read_at, readings, strict=True))
     unrun = [
         (now - then, counter - counted)
-        for (then, was_runnable, ran_then, counted), (now, runnable, ran, counter) in pairwise(
-            readings
+        for (then, (was_runnable, ran_then, counted)), (now, (runnable, ran, counter)) in pairwise(
+            timed
         )
         if was_runnable and runnable and ran == ran_then
     ]
-    assert unrun, f"never runnable and unrun between two readings: {readings}"
-    assert all(grown >= 0.9 * passed for passed, grown in unrun), unrun
-    first, last = readings[0], readings[-1]
-    assert last[3] - first[3] <= (last[0] - first[0]) * 1.05, readings
+    assert unrun, f"never runnable and unrun between two readings: {timed}"
+    # Summed: one reading late by a busy host's moment does not decide it.
+    assert sum(grown for _, grown in unrun) >= 0.9 * sum(passed for passed, _ in unrun), unrun
+    (first_at, (_, _, first)), (last_at, (_, _, last)) = timed[0], timed[-1]
+    assert last - first <= last_at - first_at + 1e-9, timed
 
 
 def test_thread_waits_keep_the_count_of_a_process_gone_and_forget_the_gone_first(
