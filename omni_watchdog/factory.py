@@ -248,6 +248,7 @@ def _assemble(
         server_gone=target.gone,
         inspect=lambda identity: read_condition(identity, process_table),
         report=bundles.write_json,
+        on_internal_error=errors.record,
     )
     journal = IncidentJournal(state_dir / "journal.jsonl", write_errors)
     policy = Policy(

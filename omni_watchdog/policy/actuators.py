@@ -171,8 +171,10 @@ class Actuators:
         try:
             output, _ = await asyncio.wait_for(process.communicate(), timeout)
         except asyncio.TimeoutError:
-            # The tool is our own child, so stopping it is ours to do.
-            process.kill()
+            # The tool is our own child, so stopping it is ours to do; it may have exited
+            # at that very moment (asyncio then raises ProcessLookupError).
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
             output, _ = await process.communicate()
             text = output.decode(errors="replace")
             return None, f"{text}\n[stopped after {timeout:g}s]"

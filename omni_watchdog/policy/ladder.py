@@ -132,11 +132,13 @@ class LadderRunner:
         server_gone: Callable[[], bool] = lambda: False,
         inspect: Callable[[ProcessIdentity], ProcessCondition] = read_condition,
         report: Callable[[str, str, object], None] = lambda incident_id, name, value: None,
+        on_internal_error: Callable[[str, Exception], None] = lambda loop, error: None,
     ) -> None:
         """`server_gone` tells whether nothing listens on the server's port any more: the
         only sign of its exit when none of its processes is visible. `inspect` reads a
         survivor's state and wait channel; `report` writes a named file into the incident's
-        bundle."""
+        bundle; `on_internal_error(loop, error)` counts a bug in the capture (loop
+        "ladder"), which fails that step and stops no other."""
         self._steps = steps
         self._config = config
         self._actuators = actuators
@@ -150,6 +152,7 @@ class LadderRunner:
         self._server_gone = server_gone
         self._inspect = inspect
         self._report = report
+        self._on_internal_error = on_internal_error
 
     @property
     def step_names(self) -> tuple[StepName, ...]:
@@ -288,6 +291,11 @@ class LadderRunner:
                 )
             except asyncio.TimeoutError:
                 captured = StepResult(step.name, StepOutcome.TIMEOUT, started, step.timeout)
+            except Exception as error:  # a bug in a capture must not stop the ladder
+                self._on_internal_error("ladder", error)
+                duration = self._clock.monotonic() - begun
+                detail = f"capture failed: {type(error).__name__}: {error}"
+                captured = StepResult(step.name, StepOutcome.FAILED, started, duration, detail)
             return captured, False
         exited_by_itself = False
         if step.name is StepName.SHUTDOWN:

@@ -169,3 +169,33 @@ def test_a_capture_tool_whose_step_is_cancelled_does_not_outlive_it(
             )
 
     asyncio.run(scenario())
+
+
+class RaisingCaptureRig(Rig):
+    """A rig whose capture fails as CI saw it: asyncio's kill of a capture tool that had
+    just exited raised ProcessLookupError."""
+
+    async def capture(self, incident: Incident, snapshot: TargetSnapshot) -> StepResult:
+        self.captures += 1
+        raise ProcessLookupError
+
+
+def test_a_capture_that_raises_is_a_failed_step_and_the_ladder_goes_on(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    endpoint = AdminEndpoint()
+    endpoint.answer.set()
+    rig = RaisingCaptureRig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+
+    incident = asyncio.run(climbed(rig, endpoint))
+    capture = incident.steps[0]
+    assert (capture.step, capture.outcome) == (StepName.CAPTURE, StepOutcome.FAILED)
+    assert capture.detail == "capture failed: ProcessLookupError: "
+    assert endpoint.calls == 1
+    assert incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    assert fake_psutil.signals == [("killpg", 100, TERM)]
+    # A bug, counted as one: its traceback reaches the log and the self-health series.
+    assert [(loop, type(error)) for loop, error in rig.internal_errors] == [
+        ("ladder", ProcessLookupError)
+    ]

@@ -169,6 +169,7 @@ class Rig:
             sleep=self.clock.sleep,
             server_gone=lambda: server_gone,
             inspect=lambda identity: read_condition(identity, self.fake, self.tmp_path),
+            on_internal_error=lambda loop, error: self.internal_errors.append((loop, error)),
         )
         return Policy(
             self.mode,
@@ -645,10 +646,7 @@ def test_a_failing_disk_never_holds_the_ladder_back(
 
 @pytest.mark.parametrize(
     ("broken", "done_before"),
-    [
-        ("capture", []),
-        ("read_gpu", [StepName.CAPTURE, StepName.SHUTDOWN, StepName.TERMINATE]),
-    ],
+    [("read_gpu", [StepName.CAPTURE, StepName.SHUTDOWN, StepName.TERMINATE])],
 )
 def test_a_bug_in_the_climb_closes_the_incident_as_failed(
     tmp_path: Path, fake_psutil: FakePsutil, broken: str, done_before: list[StepName]
