@@ -1246,8 +1246,9 @@ def test_an_engine_held_off_its_core_is_starved_before_the_kernel_says_it_waited
     tmp_path: Path, through_thread_waits: bool, verdict: StageState | None
 ) -> None:
     """Measured: in `make test`, a healthy real vLLM-Omni was judged stalled and shut down
-    while a second server started beside it on two cores; its worker's run-queue delay
-    stood still for 1.25 s, then jumped by 1.6 s, and the starvation rule saw no wait."""
+    while a second server started beside it on two cores. A real worker read on such a
+    host, runnable, had its run-queue delay stand still for 1.25 s, then jump by 1.6 s:
+    while it stood still, the starvation rule saw no wait."""
     reports = held_off_its_core(tmp_path, through_thread_waits)
     found = first_verdict(reports)
     assert (found and found[1].state) == verdict
