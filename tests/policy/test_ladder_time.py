@@ -172,8 +172,8 @@ def test_a_capture_tool_whose_step_is_cancelled_does_not_outlive_it(
 
 
 class RaisingCaptureRig(Rig):
-    """A rig whose capture fails as CI saw it: asyncio's kill of a capture tool that had
-    just exited raised ProcessLookupError."""
+    """A rig whose capture fails as a full test run here saw it: asyncio's kill of a
+    capture tool that had just exited raised ProcessLookupError."""
 
     async def capture(self, incident: Incident, snapshot: TargetSnapshot) -> StepResult:
         self.captures += 1
