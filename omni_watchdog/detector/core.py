@@ -525,7 +525,15 @@ class Detector:
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
         if confirmed and (held_up or not self._progressing(memory, now)):
-            if self._starved(memory) and not self._stood(evidence, now, self._waited(memory)):
+            # Judged stalled, a stage stays so while its evidence stands: a wait for a CPU
+            # seen since takes nothing back. Else a stage silent on a loaded host flaps,
+            # and each return to stalled is a new verdict, a new plan, an alert's `for:`
+            # started again.
+            if (
+                memory.state is not StageState.STALLED
+                and self._starved(memory)
+                and not self._stood(evidence, now, self._waited(memory))
+            ):
                 return StageState.DEGRADED
             return StageState.STALLED
         return StageState.DEGRADED

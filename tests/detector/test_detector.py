@@ -1188,6 +1188,24 @@ def test_a_stage_starved_of_cpu_is_judged_only_once_its_silence_stood(
     )
 
 
+def test_a_stalled_stage_seen_waiting_for_a_cpu_afterwards_stays_stalled_with_one_verdict() -> None:
+    """Measured: a real vLLM-Omni talker blocked in its forward, on two cores shared with
+    a second server, was judged stalled three times in 6 s, its engine's threads seen
+    waiting after each verdict. In dry-run each verdict was a new plan, and one of them,
+    still capturing, made the watchdog refuse on-call's approval of the first."""
+    world = World(
+        engines={S1: ProcessStatus.SLEEPING},
+        starved={S1},
+        starved_in=range(SILENT_FROM + 4, SILENT_FROM + 8),
+    )
+    world.canary = HealthOutcome.OK
+    reports = run(THREE_STAGES, world, 30, talker_silent_from(SILENT_FROM))
+    verdicts = [(i, v.state) for i, r in enumerate(reports) for v in r.verdicts if v.stage == S1]
+    assert verdicts == [(SILENT_FROM + 3, StageState.STALLED)]
+    after_verdict = {state_of(r, S1) for r in reports[SILENT_FROM + 3 :]}
+    assert after_verdict == {StageState.STALLED}
+
+
 def held_off_its_core(
     tmp_path: Path, through_thread_waits: bool, seconds: float = 24.0, step: float = 0.25
 ) -> list[DetectorReport]:
