@@ -80,7 +80,7 @@ class OperatorActions:
         if first is not None and first not in steps:
             return self._bad("remediate", incident_id, f"from: expected one of {steps} or null")
         try:
-            incident = self._policy.remediate_now(
+            incident = await self._policy.remediate_now(
                 incident_id, None if first is None else StepName(first), self._snapshot()
             )
         except ActionRefused as refusal:

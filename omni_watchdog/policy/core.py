@@ -8,7 +8,9 @@ again. Neither a disk fault nor a bug in the climb leaves an incident open.
 An operator can run the ladder now (`remediate_now`), through the same guards, and hold
 automatic actions for a while (a maintenance pause): a held incident captures its
 evidence, waits before its first acting step, and acts after the pause only if its
-server is still the attached one and still needs it.
+server is still the attached one and still needs it. An operator's ladder cuts short an
+incident that acts on nothing (observe, dry-run): it would only capture what the
+operator's own capture takes again.
 """
 
 from __future__ import annotations
@@ -99,6 +101,10 @@ class Policy:
         self._roots: dict[str, ProcessIdentity | None] = {}
         # Incidents an operator started: a pause does not hold them.
         self._by_operator: set[str] = set()
+        # Incidents that act on nothing, being cut short for an operator's: by whose.
+        self._cut_short_for: dict[str, str] = {}
+        # The operator's incident waiting for the one it cuts short to end.
+        self._claimed_by: str | None = None
         self._latest: DetectorReport | None = None
         self._current: asyncio.Task[Incident] | None = None
         self._handled_roots: set[ProcessIdentity] = set()
@@ -124,7 +130,9 @@ class Policy:
 
     @property
     def busy(self) -> bool:
-        return self._current is not None and not self._current.done()
+        return self._claimed_by is not None or (
+            self._current is not None and not self._current.done()
+        )
 
     def budget_remaining(self) -> int:
         return self._budget.remaining(self._clock.wall())
@@ -274,15 +282,18 @@ class Policy:
         start = names.index(StepName(first)) if first is not None else 0
         return tuple(n for i, n in enumerate(names) if i >= start or n is StepName.CAPTURE)
 
-    def remediate_now(
+    async def remediate_now(
         self, incident_id: str | None, first: StepName | None, target: TargetSnapshot
     ) -> Incident:
         """Run the ladder on the attached server now, in enforce mode whatever the
         watchdog's mode: an operator's explicit request, approving the plan of
-        `incident_id` when given. Refused (`ActionRefused`) while a ladder runs, without a
-        server, for an incident about another server, or without the target lock."""
-        if self.busy:
-            current = self.open_incident_id()
+        `incident_id` when given. An incident that acts on nothing (observe, dry-run),
+        running meanwhile, is cut short and closed first. Refused (`ActionRefused`) while
+        a ladder acts, without a server, for an incident about another server, or without
+        the target lock."""
+        running = self._incidents.get(self.open_incident_id() or "") if self.busy else None
+        if self._claimed_by is not None or (running and running.mode is Mode.ENFORCE):
+            current = self._claimed_by or self.open_incident_id()
             raise ActionRefused(409, f"a ladder is running now (incident {current})")
         approved = None
         if incident_id is not None:
@@ -300,6 +311,12 @@ class Policy:
         if not self._lock.acquire(target.root):
             raise ActionRefused(409, f"no target lock ({self._lock.conflict})")
         wall = self._clock.wall()
+        new_id = new_incident_id(wall)
+        if self.busy and running is not None:
+            await self._cut_short(running.incident_id, new_id)
+        # A climb that ends without enforcing gives the lock up: it is taken again.
+        if not self._lock.acquire(target.root):
+            raise ActionRefused(409, f"no target lock ({self._lock.conflict})")
         asked = "capture" if first is None else first.value
         steps = self.planned_steps(None if first is None else first.value)
         skipped = tuple(
@@ -311,7 +328,6 @@ class Policy:
         cause = f"{approved.cause}; {how}" if approved else how
         if approved is not None:
             cause += f", approving incident {approved.incident_id}"
-        new_id = new_incident_id(wall)
         incident = Incident(
             incident_id=new_id,
             target=target.target,
@@ -335,6 +351,27 @@ class Policy:
         )
         self._task_for(incident, target)
         return incident
+
+    async def _cut_short(self, incident_id: str, by: str) -> None:
+        """End the running climb of `incident_id`, which acts on nothing, for the
+        operator's incident `by`; no automatic incident opens meanwhile."""
+        assert self._current is not None
+        self._cut_short_for[incident_id] = by
+        self._claimed_by = by
+        try:
+            left = await end_tasks([self._current], CLOSE_PATIENCE)
+        finally:
+            self._claimed_by = None
+            self._cut_short_for.pop(incident_id, None)
+        if left:
+            log_event(
+                logger,
+                "climb_not_stopped",
+                logging.ERROR,
+                climb=left[0].get_name(),
+                patience=CLOSE_PATIENCE,
+            )
+            raise ActionRefused(409, f"a ladder is running now (incident {incident_id})")
 
     def open_incident_id(self) -> str | None:
         return next((i.incident_id for i in self.incidents() if i.closed is None), None)
@@ -450,6 +487,11 @@ class Policy:
                 timeline["released"] = verify.started + verify.duration
             timeline["closed"] = finished.closed or self._clock.wall()
             finished = dataclasses.replace(finished, timeline=timeline)
+        except asyncio.CancelledError:
+            by = self._cut_short_for.get(incident.incident_id)
+            if by is None:
+                raise
+            finished = self._closed_for_operator(incident.incident_id, by)
         except Exception as error:  # a bug must not leave the incident open for ever
             finished = self._failed_internally(incident.incident_id, error)
         self._record(finished, target)
@@ -468,6 +510,18 @@ class Policy:
             # An operator's ladder borrowed it; a watchdog that does not enforce holds none.
             self._lock.release()
         return finished
+
+    def _closed_for_operator(self, incident_id: str, by: str) -> Incident:
+        """The incident as far as its climb got, cut short for the operator's `by`."""
+        latest = self._incidents[incident_id]
+        wall = self._clock.wall()
+        return dataclasses.replace(
+            latest,
+            outcome=self._runner.outcome(latest, None),
+            cause=f"{latest.cause}; cut short: the operator's incident {by} runs the ladder",
+            closed=wall,
+            timeline={**latest.timeline, "closed": wall},
+        )
 
     def _failed_internally(self, incident_id: str, error: Exception) -> Incident:
         """The incident as far as the climb got, closed as failed."""

@@ -221,7 +221,7 @@ class LadderRunner:
         return dataclasses.replace(
             incident,
             cause=cause,
-            outcome=self._outcome(incident, recovered_by),
+            outcome=self.outcome(incident, recovered_by),
             closed=self._clock.wall(),
             crashed=crashed,
         )
@@ -245,7 +245,7 @@ class LadderRunner:
         on_step(incident)
         return incident
 
-    def _outcome(self, incident: Incident, recovered_by: StepName | None) -> IncidentOutcome:
+    def outcome(self, incident: Incident, recovered_by: StepName | None) -> IncidentOutcome:
         if incident.mode is Mode.DRY_RUN:
             return IncidentOutcome.PLANNED
         if incident.mode is Mode.OBSERVE:

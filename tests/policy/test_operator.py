@@ -31,6 +31,7 @@ from omni_watchdog.types import (
     StageStatus,
     StepName,
     StepOutcome,
+    StepResult,
 )
 
 
@@ -74,7 +75,7 @@ def test_an_approved_dry_run_plan_runs_for_real(tmp_path: Path, fake_psutil: Fak
             policy = rig.policy(session)
             planned = await opened(policy, report(), rig)
             assert fake_psutil.signals == []
-            approved = policy.remediate_now(planned.incident_id, None, rig.snapshot())
+            approved = await policy.remediate_now(planned.incident_id, None, rig.snapshot())
             await policy.wait_idle()
             done = policy.incident(approved.incident_id)
             assert done is not None
@@ -86,6 +87,64 @@ def test_an_approved_dry_run_plan_runs_for_real(tmp_path: Path, fake_psutil: Fak
     assert done.verdicts == planned.verdicts
     assert f"approving incident {planned.incident_id}" in done.cause
     assert fake_psutil.signals == [("killpg", 100, TERM)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "outcome"),
+    [(Mode.DRY_RUN, IncidentOutcome.PLANNED), (Mode.OBSERVE, IncidentOutcome.OBSERVED)],
+)
+def test_an_operators_ladder_cuts_short_an_incident_that_acts_on_nothing(
+    tmp_path: Path, fake_psutil: FakePsutil, mode: Mode, outcome: IncidentOutcome
+) -> None:
+    """The stage stalled again while on-call approved the first plan: the second plan is
+    still capturing. Refusing the approval for it would make on-call race the detector."""
+    rig = Rig(tmp_path, fake_psutil, mode)
+    the_0_11_tree(rig)
+    captures_started: list[str] = []
+    taken = rig.capture
+
+    async def capture(incident: Incident, snapshot: TargetSnapshot) -> StepResult:
+        captures_started.append(incident.incident_id)
+        if len(captures_started) == 2:
+            await asyncio.Event().wait()  # the second plan's capture never ends by itself
+        return await taken(incident, snapshot)
+
+    rig.capture = capture  # type: ignore[method-assign]
+
+    async def scenario() -> tuple[Incident, Incident, Incident]:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            planned = await opened(policy, report(), rig)
+            again = policy.on_report(report(), rig.snapshot)
+            assert again is not None
+            await until(lambda: len(captures_started) == 2)
+            approving = policy.remediate_now(planned.incident_id, None, rig.snapshot())
+            approval = asyncio.ensure_future(approving)
+            await asyncio.sleep(0)
+            # A second approval while the first takes over is refused, naming the first.
+            with pytest.raises(ActionRefused, match="a ladder is running now") as second:
+                await policy.remediate_now(planned.incident_id, None, rig.snapshot())
+            await until(again.done)
+            # While the operator's ladder takes over, no automatic incident opens.
+            assert policy.on_report(report(), rig.snapshot) is None
+            started = await approval
+            await policy.wait_idle()
+            cut, done = (policy.incident(i.incident_id) for i in (await again, started))
+            assert cut is not None and done is not None
+            assert done.incident_id in second.value.reason
+            return planned, cut, done
+
+    planned, cut, done = asyncio.run(scenario())
+    assert planned.outcome is outcome
+    assert cut.outcome is outcome and cut.closed is not None and cut.steps == ()
+    assert f"cut short: the operator's incident {done.incident_id} runs the ladder" in cut.cause
+    assert done.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    assert f"approving incident {planned.incident_id}" in done.cause
+    assert fake_psutil.signals == [("killpg", 100, TERM)]
+    replayed = IncidentJournal(tmp_path / "journal.jsonl", StateWriteErrors()).replay()
+    journaled = {e.incident.incident_id: e.incident for e in replayed}
+    assert journaled[cut.incident_id].outcome is outcome
+    assert all(i.outcome is not IncidentOutcome.OPEN for i in journaled.values())
 
 
 def test_from_a_step_skips_the_ones_before_it_but_never_the_capture(
@@ -102,7 +161,7 @@ def test_from_a_step_skips_the_ones_before_it_but_never_the_capture(
                 StepName.KILL,
                 StepName.VERIFY,
             )
-            started = policy.remediate_now(None, StepName.KILL, rig.snapshot())
+            started = await policy.remediate_now(None, StepName.KILL, rig.snapshot())
             await policy.wait_idle()
             done = policy.incident(started.incident_id)
             assert done is not None
@@ -151,13 +210,13 @@ def test_an_operator_action_is_refused_with_its_reason(
                 other = ProcessIdentity(4242, 1.0)
                 target = TargetSnapshot(target.target, other, target.processes, None)
             elif case == "busy":
-                policy.remediate_now(None, None, target)
+                await policy.remediate_now(None, None, target)
             elif case == "lock held":
                 # Another watchdog in enforce mode holds the target's lock from attach on.
                 holder = Rig(tmp_path, fake_psutil, Mode.ENFORCE).policy(session)
                 holder.on_attach(target.root)
             with pytest.raises(ActionRefused) as refused:
-                policy.remediate_now(incident_id, None, target)
+                await policy.remediate_now(incident_id, None, target)
             assert refused.value.status == status
             assert reason in refused.value.reason
             await policy.wait_idle()
@@ -228,7 +287,7 @@ def test_an_operators_own_ladder_is_not_held_by_a_pause(
         async with aiohttp.ClientSession() as session:
             policy = rig.policy(session)
             policy.window.pause(600, "maintenance")
-            started = policy.remediate_now(None, None, rig.snapshot())
+            started = await policy.remediate_now(None, None, rig.snapshot())
             await policy.wait_idle()
             return policy.incident(started.incident_id)
 
