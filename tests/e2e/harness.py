@@ -49,8 +49,13 @@ FAST: dict[str, Any] = {
 SIM_ENV = {"OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5"}
 # A server that crashes by itself: vLLM takes about 3 s from its 503 to its exit, the
 # simulator about 1 s, and over 5 s once on two busy cores. A test of the crash waits
-# long enough for it to happen.
-WAITS_FOR_A_CRASH = merge_layers(FAST, {"ladder": {"self_exit_grace": "15s"}})
+# long enough for it to happen, and sends no canary: answered 500 within 0.1 s of the
+# engine's death, it paired with the exit into a verdict before a loaded watchdog read
+# the 503, and the ladder, rightly not waiting on a server that had not said it is going,
+# ended it with SIGTERM.
+WAITS_FOR_A_CRASH = merge_layers(
+    FAST, {"ladder": {"self_exit_grace": "15s"}, "probes": {"canary_interval": "1h"}}
+)
 RECOVERED = {
     IncidentOutcome.RECOVERED_BY_SHUTDOWN,
     IncidentOutcome.RECOVERED_BY_TERM,
