@@ -101,9 +101,8 @@ class Policy:
         self._roots: dict[str, ProcessIdentity | None] = {}
         # Incidents an operator started: a pause does not hold them.
         self._by_operator: set[str] = set()
-        # Incidents that act on nothing, being cut short for an operator's: by whose.
-        self._cut_short_for: dict[str, str] = {}
-        # The operator's incident waiting for the one it cuts short to end.
+        # The operator's incident waiting for the running one, which acts on nothing, to be
+        # cut short: the climb cancelled meanwhile closes as cut short for it.
         self._claimed_by: str | None = None
         self._latest: DetectorReport | None = None
         self._current: asyncio.Task[Incident] | None = None
@@ -312,7 +311,7 @@ class Policy:
             raise ActionRefused(409, f"no target lock ({self._lock.conflict})")
         wall = self._clock.wall()
         new_id = new_incident_id(wall)
-        if self.busy and running is not None:
+        if running is not None:
             await self._cut_short(running.incident_id, new_id)
         # A climb that ends without enforcing gives the lock up: it is taken again.
         if not self._lock.acquire(target.root):
@@ -356,13 +355,11 @@ class Policy:
         """End the running climb of `incident_id`, which acts on nothing, for the
         operator's incident `by`; no automatic incident opens meanwhile."""
         assert self._current is not None
-        self._cut_short_for[incident_id] = by
         self._claimed_by = by
         try:
             left = await end_tasks([self._current], CLOSE_PATIENCE)
         finally:
             self._claimed_by = None
-            self._cut_short_for.pop(incident_id, None)
         if left:
             log_event(
                 logger,
@@ -488,10 +485,9 @@ class Policy:
             timeline["closed"] = finished.closed or self._clock.wall()
             finished = dataclasses.replace(finished, timeline=timeline)
         except asyncio.CancelledError:
-            by = self._cut_short_for.get(incident.incident_id)
-            if by is None:
+            if self._claimed_by is None:
                 raise
-            finished = self._closed_for_operator(incident.incident_id, by)
+            finished = self._closed_for_operator(incident.incident_id, self._claimed_by)
         except Exception as error:  # a bug must not leave the incident open for ever
             finished = self._failed_internally(incident.incident_id, error)
         self._record(finished, target)
