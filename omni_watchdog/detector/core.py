@@ -57,6 +57,12 @@ from omni_watchdog.types import (
 _STAGE_ROLES = (ProcessRole.STAGE, ProcessRole.ENGINE, ProcessRole.WORKER)
 # gpu_held follows from a state, so it is shown but never counted towards one.
 _CONSEQUENCES = (EvidenceKind.GPU_HELD,)
+# Evidence that says only that a stage answered late. On a host where the stage was seen
+# waiting for a CPU meanwhile, the host's load explains them all at once: they are one kind
+# there, and a stall confirmed by them alone waits for `confirm_timeout`.
+_LATENESS = frozenset(
+    {EvidenceKind.HEARTBEAT_LOST, EvidenceKind.SPAN_OVERDUE, EvidenceKind.CANARY_FAILED}
+)
 # A clean stop takes its engine down a moment before the server itself (vLLM: all gone in
 # under 0.5 s), so only signs older than this before the exit can make it a crash.
 _EXIT_SETTLE = 1.0
@@ -71,7 +77,8 @@ MAX_PROCESSES_PER_STAGE = 512
 # be heard again.
 STARVED_WAIT_SHARE = 0.1
 STARVED_WINDOW_SHARE = 0.5
-# Less CPU wait than this, since a stage's last beat, goes unsaid in its evidence.
+# Less CPU wait than this, since a stage's last beat, goes unsaid in its evidence; this
+# much or more, and the stage's lateness (below) is one kind of evidence, not several.
 WAIT_WORTH_SAYING = 0.1
 # Readings of its CPU wait kept per process: enough to span that window at any interval.
 WAIT_READINGS = 32
@@ -521,19 +528,18 @@ class Detector:
         if EvidenceKind.LINK_LOST in kinds:
             # Past its own grace already: an orphan is not waited on twice.
             return StageState.DEAD
-        confirmed = self._confirmed(evidence, now)
+        # Judged stalled, a stage stays so while its evidence stands: a wait for a CPU seen
+        # since takes nothing back. Else a stage silent on a loaded host flaps, and each
+        # return to stalled is a new verdict, a new plan, an alert's `for:` started again.
+        judged = memory.state is StageState.STALLED
+        waited = self._waited(memory)
+        confirmed = self._confirmed(
+            evidence, now, loaded=not judged and waited >= WAIT_WORTH_SAYING
+        )
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
         if confirmed and (held_up or not self._progressing(memory, now)):
-            # Judged stalled, a stage stays so while its evidence stands: a wait for a CPU
-            # seen since takes nothing back. Else a stage silent on a loaded host flaps,
-            # and each return to stalled is a new verdict, a new plan, an alert's `for:`
-            # started again.
-            if (
-                memory.state is not StageState.STALLED
-                and self._starved(memory)
-                and not self._stood(evidence, now, self._waited(memory))
-            ):
+            if not judged and self._starved(memory) and not self._stood(evidence, now, waited):
                 return StageState.DEGRADED
             return StageState.STALLED
         return StageState.DEGRADED
@@ -563,9 +569,12 @@ class Detector:
             return StageState.STALLED
         return StageState.DEGRADED
 
-    def _confirmed(self, evidence: list[Evidence], now: float) -> bool:
-        counted = [e for e in evidence if e.kind not in _CONSEQUENCES]
-        return len({e.kind for e in counted}) >= 2 or self._stood(evidence, now)
+    def _confirmed(self, evidence: list[Evidence], now: float, loaded: bool = False) -> bool:
+        """Two independent kinds of evidence, or one that stood `confirm_timeout`. On a
+        host `loaded` for the stage, its lateness is one kind however many say it."""
+        kinds = {e.kind for e in evidence if e.kind not in _CONSEQUENCES}
+        independent = len(kinds - _LATENESS) + bool(kinds & _LATENESS) if loaded else len(kinds)
+        return independent >= 2 or self._stood(evidence, now)
 
     def _stood(self, evidence: list[Evidence], now: float, waited: float = 0.0) -> bool:
         """One kind of evidence has held for `confirm_timeout`, not counting `waited`, time

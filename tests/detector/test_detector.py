@@ -1133,7 +1133,8 @@ STARVATION = [
     ),
     (
         "waiting a moment as the request that blocks it wakes it, then asleep: the wait"
-        " leaves the window, stalled at the heartbeat timeout",
+        " leaves the window, but its lateness is one kind on a loaded host: stalled once"
+        " the canary's failure stood 10 s",
         World(
             engines={S1: ProcessStatus.SLEEPING},
             starved={S1},
@@ -1142,11 +1143,25 @@ STARVATION = [
         ),
         30,
         None,
-        (SILENT_FROM + 3, StageState.STALLED),
+        (SILENT_FROM + 10, StageState.STALLED),
+    ),
+    (
+        "the same, beating again after 5 s: no verdict (a healthy real talker beside a"
+        " second server, silent 3.7 s with 0.3 s waited, was judged and shut down)",
+        World(
+            engines={S1: ProcessStatus.SLEEPING},
+            starved={S1},
+            wait_share=0.3,
+            starved_in=range(SILENT_FROM, SILENT_FROM + 1),
+        ),
+        30,
+        SILENT_FROM + 5,
+        None,
     ),
     (
         "starved for the first 6 s of its silence, then given its CPU and still silent:"
-        " stalled once it has had it for half the heartbeat timeout",
+        " no longer starved, its lateness one kind, stalled once the canary's failure"
+        " stood 10 s",
         World(
             engines={S1: ProcessStatus.RUNNING},
             starved={S1},
@@ -1154,7 +1169,7 @@ STARVATION = [
         ),
         30,
         None,
-        (SILENT_FROM + 7, StageState.STALLED),
+        (SILENT_FROM + 10, StageState.STALLED),
     ),
     (
         "starved, but its engine stopped (SIGSTOP): stalled as the canary fails",
@@ -1186,6 +1201,34 @@ def test_a_stage_starved_of_cpu_is_judged_only_once_its_silence_stood(
     assert (found and (found[0], found[1].stage, found[1].state)) == (
         verdict and (verdict[0], S1, verdict[1])
     )
+
+
+def test_a_late_stage_on_a_loaded_host_is_judged_at_once_with_a_sign_of_another_kind() -> None:
+    """Lateness is one kind of evidence where the stage waited for a CPU; the server's own
+    503 is not lateness, and with it the verdict comes at the heartbeat timeout."""
+    world = World(
+        engines={S1: ProcessStatus.SLEEPING},
+        starved={S1},
+        wait_share=0.3,
+        starved_in=range(SILENT_FROM, SILENT_FROM + 1),
+    )
+    world.canary = HealthOutcome.OK
+    silent = talker_silent_from(SILENT_FROM)
+
+    def change(world: World, second: int) -> None:
+        silent(world, second)
+        world.health = HealthOutcome.UNHEALTHY if second >= SILENT_FROM else HealthOutcome.OK
+
+    found = first_verdict(run(THREE_STAGES, world, 30, change))
+    assert found is not None
+    assert (found[0], found[1].stage, found[1].state) == (
+        SILENT_FROM + 3,
+        S1,
+        StageState.STALLED,
+    )
+    assert {EvidenceKind.HEARTBEAT_LOST, EvidenceKind.HEALTH_FAILED} <= {
+        e.kind for e in found[1].evidence
+    }
 
 
 def test_a_stalled_stage_seen_waiting_for_a_cpu_afterwards_stays_stalled_with_one_verdict() -> None:
