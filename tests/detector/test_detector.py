@@ -1095,6 +1095,17 @@ def talker_silent_from(
     return change
 
 
+def woken_then_asleep(wait: float) -> World:
+    """The talker's engine waits `wait` s for a CPU in the first second of its silence, as
+    the request that blocks it wakes it, then sleeps."""
+    return World(
+        engines={S1: ProcessStatus.SLEEPING},
+        starved={S1},
+        wait_share=wait,
+        starved_in=range(SILENT_FROM, SILENT_FROM + 1),
+    )
+
+
 # name, world, seconds, the first verdict on the talker (second, state) or None
 STARVATION = [
     (
@@ -1135,12 +1146,7 @@ STARVATION = [
         "waiting a moment as the request that blocks it wakes it, then asleep: the wait"
         " leaves the window, but its lateness is one kind on a loaded host: stalled once"
         " the canary's failure stood 10 s",
-        World(
-            engines={S1: ProcessStatus.SLEEPING},
-            starved={S1},
-            wait_share=0.2,
-            starved_in=range(SILENT_FROM, SILENT_FROM + 1),
-        ),
+        woken_then_asleep(0.2),
         30,
         None,
         (SILENT_FROM + 10, StageState.STALLED),
@@ -1148,12 +1154,7 @@ STARVATION = [
     (
         "the same, beating again after 5 s: no verdict (a healthy real talker beside a"
         " second server, silent 3.7 s with 0.3 s waited, was judged and shut down)",
-        World(
-            engines={S1: ProcessStatus.SLEEPING},
-            starved={S1},
-            wait_share=0.3,
-            starved_in=range(SILENT_FROM, SILENT_FROM + 1),
-        ),
+        woken_then_asleep(0.3),
         30,
         SILENT_FROM + 5,
         None,
@@ -1206,12 +1207,7 @@ def test_a_stage_starved_of_cpu_is_judged_only_once_its_silence_stood(
 def test_a_late_stage_on_a_loaded_host_is_judged_at_once_with_a_sign_of_another_kind() -> None:
     """Lateness is one kind of evidence where the stage waited for a CPU; the server's own
     503 is not lateness, and with it the verdict comes at the heartbeat timeout."""
-    world = World(
-        engines={S1: ProcessStatus.SLEEPING},
-        starved={S1},
-        wait_share=0.3,
-        starved_in=range(SILENT_FROM, SILENT_FROM + 1),
-    )
+    world = woken_then_asleep(0.3)
     world.canary = HealthOutcome.OK
     silent = talker_silent_from(SILENT_FROM)
 
