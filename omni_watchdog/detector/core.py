@@ -57,9 +57,9 @@ from omni_watchdog.types import (
 _STAGE_ROLES = (ProcessRole.STAGE, ProcessRole.ENGINE, ProcessRole.WORKER)
 # gpu_held follows from a state, so it is shown but never counted towards one.
 _CONSEQUENCES = (EvidenceKind.GPU_HELD,)
-# Evidence that says only that a stage answered late. On a host where the stage was seen
-# waiting for a CPU meanwhile, the host's load explains them all at once: they are one kind
-# there, and a stall confirmed by them alone waits for `confirm_timeout`.
+# Evidence that says only that a stage answered late. Where the stage was seen running or
+# waiting for a CPU meanwhile (a long step, a loaded host), that explains them all at once:
+# they are one kind there, and a stall confirmed by them alone waits for `confirm_timeout`.
 _LATENESS = frozenset(
     {EvidenceKind.HEARTBEAT_LOST, EvidenceKind.SPAN_OVERDUE, EvidenceKind.CANARY_FAILED}
 )
@@ -78,8 +78,14 @@ MAX_PROCESSES_PER_STAGE = 512
 STARVED_WAIT_SHARE = 0.1
 STARVED_WINDOW_SHARE = 0.5
 # Less CPU wait than this, since a stage's last beat, goes unsaid in its evidence; this
-# much or more, and the stage's lateness (below) is one kind of evidence, not several.
+# much or more, and the stage's lateness is one kind of evidence, not several.
 WAIT_WORTH_SAYING = 0.1
+# A process that used a CPU at least this share of the time since its stage's loop last
+# beat is running: its lateness is one kind of evidence too. Measured on the real vLLM-Omni
+# beside a second server on two cores: a worker blocked in its forward used 1 % of a core
+# through 11 s of silence; workers in forwards used 19 % to 82 % through silences of 1 s
+# to 1.7 s.
+RUNNING_SHARE = 0.1
 # Readings of its CPU wait kept per process: enough to span that window at any interval.
 WAIT_READINGS = 32
 
@@ -96,6 +102,7 @@ class _ProcessMemory:
     # and when that was read; then its latest readings, (when, time waited).
     wait_at_beat: float = 0.0
     seen_at_beat: float = 0.0
+    cpu_at_beat: float = 0.0
     waits: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WAIT_READINGS))
 
 
@@ -232,6 +239,7 @@ class Detector:
             memory.last_heartbeat = max(obs.time, memory.last_heartbeat or obs.time)
             for known in memory.processes.values():
                 known.wait_at_beat, known.seen_at_beat = known.info.cpu_wait_seconds, known.seen_at
+                known.cpu_at_beat = known.info.cpu_seconds
 
     def _on_admitted(self, obs: Observation) -> None:
         self._pending.admit(obs.request_id, obs.path, obs.time)
@@ -352,6 +360,7 @@ class Detector:
         if known is None or not known.info.identity.matches(info.identity):
             known = _ProcessMemory(info, obs.time, obs.time, seen_at=obs.time)
             known.wait_at_beat, known.seen_at_beat = info.cpu_wait_seconds, obs.time
+            known.cpu_at_beat = info.cpu_seconds
             memory.processes[info.pid] = known
         if exited or info.status is ProcessStatus.ZOMBIE:
             if known.exited_at is None:
@@ -533,9 +542,8 @@ class Detector:
         # return to stalled is a new verdict, a new plan, an alert's `for:` started again.
         judged = memory.state is StageState.STALLED
         waited = self._waited(memory)
-        confirmed = self._confirmed(
-            evidence, now, loaded=not judged and waited >= WAIT_WORTH_SAYING
-        )
+        busy = waited >= WAIT_WORTH_SAYING or _busiest_runner(memory) is not None
+        confirmed = self._confirmed(evidence, now, busy=not judged and busy)
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
         if confirmed and (held_up or not self._progressing(memory, now)):
@@ -569,11 +577,12 @@ class Detector:
             return StageState.STALLED
         return StageState.DEGRADED
 
-    def _confirmed(self, evidence: list[Evidence], now: float, loaded: bool = False) -> bool:
-        """Two independent kinds of evidence, or one that stood `confirm_timeout`. On a
-        host `loaded` for the stage, its lateness is one kind however many say it."""
+    def _confirmed(self, evidence: list[Evidence], now: float, busy: bool = False) -> bool:
+        """Two independent kinds of evidence, or one that stood `confirm_timeout`. For a
+        stage `busy` (seen running or waiting for a CPU since its loop last beat), its
+        lateness is one kind however many say it."""
         kinds = {e.kind for e in evidence if e.kind not in _CONSEQUENCES}
-        independent = len(kinds - _LATENESS) + bool(kinds & _LATENESS) if loaded else len(kinds)
+        independent = len(kinds - _LATENESS) + bool(kinds & _LATENESS) if busy else len(kinds)
         return independent >= 2 or self._stood(evidence, now)
 
     def _stood(self, evidence: list[Evidence], now: float, waited: float = 0.0) -> bool:
@@ -724,7 +733,7 @@ class Detector:
                 memory.last_heartbeat,
                 config.heartbeat_timeout,
                 now,
-                lambda silent: f"no loop heartbeat for {silent:.1f}s{_wait_note(memory)}",
+                lambda silent: f"no loop heartbeat for {silent:.1f}s{_cpu_note(memory)}",
             )
         deadline = self.deadline(ref.stage_id)
         late = self._pending.overdue(ref.stage_id, deadline, now, self._blind)
@@ -1052,10 +1061,28 @@ def _busiest_waiter(memory: _StageMemory) -> tuple[int, float] | None:
     return max(waits, key=lambda wait: wait[1], default=None)
 
 
-def _wait_note(memory: _StageMemory) -> str:
-    """What a silent stage's processes waited for a CPU meanwhile, when they waited enough
-    to say: on-call reads a busy host in the verdict, not only in the host's graphs."""
+def _busiest_runner(memory: _StageMemory) -> tuple[int, float] | None:
+    """The live process of the stage that used the largest share of a CPU since its loop
+    last beat, and the CPU seconds it used, when that share is `RUNNING_SHARE` or more."""
+    runners = [
+        (pid, used, used / covered)
+        for pid, p in memory.processes.items()
+        if p.exited_at is None
+        and (covered := p.seen_at - p.seen_at_beat) > 0
+        and (used := p.info.cpu_seconds - p.cpu_at_beat) >= RUNNING_SHARE * covered
+    ]
+    runner = max(runners, key=lambda run: run[2], default=None)
+    return None if runner is None else (runner[0], runner[1])
+
+
+def _cpu_note(memory: _StageMemory) -> str:
+    """What a silent stage's processes did with a CPU meanwhile, when it is enough to say:
+    on-call reads a busy host or a long step in the verdict, not only in the host's graphs."""
+    notes = []
     waiter = _busiest_waiter(memory)
-    if waiter is None or waiter[1] < WAIT_WORTH_SAYING:
-        return ""
-    return f"; pid {waiter[0]} waited {waiter[1]:.1f}s for a CPU since"
+    if waiter is not None and waiter[1] >= WAIT_WORTH_SAYING:
+        notes.append(f"; pid {waiter[0]} waited {waiter[1]:.1f}s for a CPU since")
+    runner = _busiest_runner(memory)
+    if runner is not None:
+        notes.append(f"; pid {runner[0]} ran {runner[1]:.1f}s on a CPU since")
+    return "".join(notes)

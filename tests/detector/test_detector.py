@@ -99,7 +99,7 @@ class World:
             out.append(Observation(ObservationKind.LOAD, now, ref, self.load.get(ref, 0.0)))
         unread = self.engines_unread_from is not None and second >= self.engines_unread_from
         for pid, (ref, status) in enumerate({} if unread else self.engines.items(), start=200):
-            cpu = float(second) if self.cpu_moving else 1.0
+            cpu = float(second) if self.cpu_moving and status is ProcessStatus.RUNNING else 1.0
             if ref in self.starved and (self.starved_in is None or second in self.starved_in):
                 self.waited[ref] = self.waited.get(ref, 0.0) + self.wait_share
             info = process(pid, ref, ProcessRole.ENGINE, status, cpu, self.waited.get(ref, 0.0))
@@ -1100,6 +1100,8 @@ def woken_then_asleep(wait: float) -> World:
     the request that blocks it wakes it, then sleeps."""
     return World(
         engines={S1: ProcessStatus.SLEEPING},
+        # Its load gauge says it is served: silence and quiet CPUs are no process_stuck.
+        load={S1: 0.0},
         starved={S1},
         wait_share=wait,
         starved_in=range(SILENT_FROM, SILENT_FROM + 1),
@@ -1171,6 +1173,22 @@ STARVATION = [
         30,
         None,
         (SILENT_FROM + 10, StageState.STALLED),
+    ),
+    (
+        "running all through its silence, waiting for no CPU (a long step, a spin): its"
+        " lateness is one kind, stalled once the canary's failure stood 10 s",
+        World(engines={S1: ProcessStatus.RUNNING}, load={S1: 0.0}),
+        30,
+        None,
+        (SILENT_FROM + 10, StageState.STALLED),
+    ),
+    (
+        "the same, beating again after 5 s: no verdict (a healthy real thinker whose worker"
+        " ran a forward slowed by a second server was judged and shut down)",
+        World(engines={S1: ProcessStatus.RUNNING}, load={S1: 0.0}),
+        30,
+        SILENT_FROM + 5,
+        None,
     ),
     (
         "starved, but its engine stopped (SIGSTOP): stalled as the canary fails",
@@ -1323,13 +1341,18 @@ def test_an_engine_held_off_its_core_is_starved_before_the_kernel_says_it_waited
             id="no-wait-goes-unsaid",
         ),
         pytest.param(
-            World(engines={S1: ProcessStatus.RUNNING}, starved={S1}),
+            World(engines={S1: ProcessStatus.RUNNING}, starved={S1}, cpu_moving=False),
             "no loop heartbeat for 23.0s; pid 200 waited 12.0s for a CPU since",
             id="a-starved-engine-is-named-with-its-wait",
         ),
+        pytest.param(
+            World(engines={S1: ProcessStatus.RUNNING}),
+            "no loop heartbeat for 11.0s; pid 200 ran 12.0s on a CPU since",
+            id="a-running-engine-is-named-with-the-cpu-it-used",
+        ),
     ],
 )
-def test_a_lost_heartbeat_says_how_long_the_stage_waited_for_a_cpu_meanwhile(
+def test_a_lost_heartbeat_says_what_the_stage_did_with_a_cpu_meanwhile(
     world: World, said: str
 ) -> None:
     world.canary = HealthOutcome.OK
