@@ -49,14 +49,22 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 LOAD_SECONDS = 180.0
 
 
-def shipped_canary() -> dict[str, Any]:
-    """The canary as it ships: its interval and deadline at their defaults."""
-    probes = load_config(environ={}).probes
+def shipped() -> dict[str, Any]:
+    """The detection thresholds and the canary as they ship: what is claimed is what a user
+    gets. Judging starts as early as in the fault tests. On two cores shared with a second
+    server, a healthy real stage fell silent for 2 s with the canary waiting at it, which
+    the fault tests' short timeouts judge, and these tests are in enforce mode."""
+    shipped = load_config(environ={})
     return {
+        "detection": {
+            name: f"{value:g}s" if isinstance(value, float) else value
+            for name, value in asdict(shipped.detection).items()
+            if name in FAST["detection"] and name != "startup_grace"
+        },
         "probes": {
-            "canary_interval": f"{probes.canary_interval:g}s",
-            "canary_deadline": f"{probes.canary_deadline:g}s",
-        }
+            "canary_interval": f"{shipped.probes.canary_interval:g}s",
+            "canary_deadline": f"{shipped.probes.canary_deadline:g}s",
+        },
     }
 
 
@@ -145,7 +153,7 @@ def test_on_call_sees_the_real_pipeline_and_a_pause_acts_on_nothing(
     server, _ = shared_omni
 
     async def scenario() -> None:
-        overrides = {"operator_token": OPERATOR_TOKEN}
+        overrides = {"operator_token": OPERATOR_TOKEN, **shipped()}
         async with watched(server, tmp_path, "enforce", overrides) as watchdog:
             await wait_for(lambda: watchdog.state.topology.source == "plugin", 30)
             code, out, err = await oncall(watchdog, "status", "--json")
@@ -177,7 +185,7 @@ def test_default_canary_never_harms_a_healthy_idle_server(
     async def scenario() -> None:
         async with aiohttp.ClientSession() as session:
             before = await served_requests(session, server)
-            async with watched(server, tmp_path, overrides=shipped_canary()) as watchdog:
+            async with watched(server, tmp_path, overrides=shipped()) as watchdog:
                 worse: list[str] = []
                 deadline = time.monotonic() + 8 * defaults.canary_interval
                 while time.monotonic() < deadline:
@@ -198,12 +206,15 @@ def test_client_gone_mid_request_is_no_reason_to_act(
     server, _ = shared_omni
 
     async def scenario() -> None:
-        async with watched(server, tmp_path) as watchdog, aiohttp.ClientSession() as session:
+        async with (
+            watched(server, tmp_path, overrides=shipped()) as watchdog,
+            aiohttp.ClientSession() as session,
+        ):
             for _ in range(3):
                 stream = Stream(session, server.url, LONG_REQUEST)
                 await asyncio.sleep(1.5)
                 await stream.cancel()
-            # Longer than every detection timeout of the fast settings.
+            # Longer than every detection timeout (`confirm_timeout`, the longest, is 10 s).
             quiet_until = time.monotonic() + 12
             while time.monotonic() < quiet_until:
                 assert not (worse := worse_than_degraded(watchdog, STAGES)), worse
@@ -220,16 +231,8 @@ def test_steady_load_with_one_slow_stage_is_never_worse_than_degraded(
 ) -> None:
     server, faults = shared_omni
     talker = StageRef(1)
-    # What is claimed is what a user gets: the shipped thresholds, not the short ones that
-    # make the fault tests quick. The other test worker starts real servers beside this
-    # one, on two cores, throughout.
-    shipped = load_config(environ={}).detection
-    detection = {
-        name: f"{value:g}s" if isinstance(value, float) else value
-        for name, value in asdict(shipped).items()
-        if name in FAST["detection"]
-    }
-    thresholds = {"detection": detection, **shipped_canary()}
+    # The other test worker starts real servers beside this one, on two cores, throughout.
+    thresholds = shipped()
 
     async def scenario() -> None:
         async with (
