@@ -8,10 +8,12 @@ The rules (docs/design.md, Detection):
   `progress_timeout` is `degraded` at worst, however late its requests are;
 - spans never outweigh the world: a stage with a stopped (T) process, or with counters
   flat while work is queued, is judged on that whatever its heartbeats and spans say;
-- a verdict needs two independent kinds of evidence, or one held for `confirm_timeout`;
-- `dead` needs a stage process to have exited while the server lives; a /health that
-  failed (503 or timeout, not refused) or a canary that failed after the exit confirms it
-  at once: a hard fact and the server's own word, each from its own probe;
+- a verdict needs two independent kinds of evidence, or one held for `confirm_timeout`
+  (never an overdue span alone);
+- `dead` needs a stage process to have exited while the server lives, or a confirmed
+  /health 503 charged to the stage (the server's word that an engine is dead); a /health
+  that failed (503 or timeout, not refused) or a canary that failed after the exit
+  confirms it at once: a hard fact and the server's own word, each from its own probe;
 - target-wide evidence (/health, the canary) is charged to the stages that show no
   liveness of their own, so a healthy stage is not blamed for its neighbour;
 - the watchdog's own blindness is not the server's silence: heartbeat and span silence
@@ -57,6 +59,11 @@ from omni_watchdog.types import (
 _STAGE_ROLES = (ProcessRole.STAGE, ProcessRole.ENGINE, ProcessRole.WORKER)
 # gpu_held follows from a state, so it is shown but never counted towards one.
 _CONSEQUENCES = (EvidenceKind.GPU_HELD,)
+# Evidence that never confirms a verdict alone, however long it stands: a request whose
+# span is late or lost says as much of the exporter, the network or the receiver as of
+# the stage (CI: a healthy, idle, beating real vLLM-Omni stage judged stalled, and ended,
+# on one overdue request alone). It confirms beside another kind.
+_NEVER_ALONE = frozenset({EvidenceKind.SPAN_OVERDUE})
 # Evidence that says only that a stage answered late. Where the stage was seen running or
 # waiting for a CPU meanwhile (a long step, a loaded host), that explains them all at once:
 # they are one kind there, and a stall confirmed by them alone waits for `confirm_timeout`.
@@ -167,6 +174,8 @@ class Detector:
         self._health_failed_since = 0.0
         self._health_confirmed_at = 0.0
         self._health_detail = ""
+        # The latest failed /health was an answer (a 503), not a timeout or refusal.
+        self._health_answered = False
         self._canary_failed_at: float | None = None
         # The latest failed /health (not refused) and canary, while they go on failing.
         self._health_unwell: tuple[float, str] | None = None
@@ -302,6 +311,7 @@ class Detector:
         if self._health_failures == self._config.health_failures:
             self._health_confirmed_at = obs.time
         self._health_detail = f"{_word(obs)} {obs.detail}".strip()
+        self._health_answered = obs.outcome is HealthOutcome.UNHEALTHY
         # A refused connection is what any stopping server shows; it says nothing of a crash.
         if obs.outcome is not HealthOutcome.REFUSED:
             self._sign(obs.time, f"/health {self._health_detail}")
@@ -546,6 +556,12 @@ class Detector:
         confirmed = self._confirmed(evidence, now, busy=not judged and busy)
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
+        if confirmed and EvidenceKind.HEALTH_FAILED in kinds and self._health_answered:
+            # The server's own word: vLLM and vLLM-Omni answer /health 503 only once an
+            # engine is dead (0.30: a stage has no live replica), and this stage is the
+            # one without liveness. Its processes may take seconds more to exit; the
+            # verdict does not turn on whether the exit was seen first.
+            return StageState.DEAD
         if confirmed and (held_up or not self._progressing(memory, now)):
             if not judged and self._starved(memory) and not self._stood(evidence, now, waited):
                 return StageState.DEGRADED
@@ -586,12 +602,12 @@ class Detector:
         return independent >= 2 or self._stood(evidence, now)
 
     def _stood(self, evidence: list[Evidence], now: float, waited: float = 0.0) -> bool:
-        """One kind of evidence has held for `confirm_timeout`, not counting `waited`, time
-        the stage spent waiting for a CPU: it is enough on its own."""
+        """One kind of evidence that may stand alone has held for `confirm_timeout`, not
+        counting `waited`, time the stage spent waiting for a CPU: it is enough on its own."""
         return any(
             now - e.since - waited >= self._config.confirm_timeout
             for e in evidence
-            if e.kind not in _CONSEQUENCES
+            if e.kind not in _CONSEQUENCES and e.kind not in _NEVER_ALONE
         )
 
     def _starved(self, memory: _StageMemory) -> bool:

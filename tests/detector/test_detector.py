@@ -745,8 +745,17 @@ BROKEN_AT_ATTACH = DetectionConfig(startup_timeout=30.0)
     ("name", "world", "change", "earliest", "latest", "state"),
     [
         (
+            # The server's 503 says an engine is dead (0.30: a stage has no live replica).
             "/health 503 since attach: judged once startup_timeout has passed",
             World(health=HealthOutcome.UNHEALTHY, heartbeats=set(), canary=HealthOutcome.ERROR),
+            None,
+            30,
+            31,
+            StageState.DEAD,
+        ),
+        (
+            "/health timing out since attach: judged once startup_timeout has passed",
+            World(health=HealthOutcome.TIMEOUT, heartbeats=set(), canary=HealthOutcome.ERROR),
             None,
             30,
             31,
@@ -1224,7 +1233,8 @@ def test_a_stage_starved_of_cpu_is_judged_only_once_its_silence_stood(
 
 def test_a_late_stage_on_a_loaded_host_is_judged_at_once_with_a_sign_of_another_kind() -> None:
     """Lateness is one kind of evidence where the stage waited for a CPU; the server's own
-    503 is not lateness, and with it the verdict comes at the heartbeat timeout."""
+    503 is not lateness, and with it the verdict comes at the heartbeat timeout: `dead`, as
+    the 503 says."""
     world = woken_then_asleep(0.3)
     world.canary = HealthOutcome.OK
     silent = talker_silent_from(SILENT_FROM)
@@ -1238,7 +1248,7 @@ def test_a_late_stage_on_a_loaded_host_is_judged_at_once_with_a_sign_of_another_
     assert (found[0], found[1].stage, found[1].state) == (
         SILENT_FROM + 3,
         S1,
-        StageState.STALLED,
+        StageState.DEAD,
     )
     assert {EvidenceKind.HEARTBEAT_LOST, EvidenceKind.HEALTH_FAILED} <= {
         e.kind for e in found[1].evidence

@@ -232,11 +232,26 @@ def test_a_stage_that_finished_its_request_is_idle_not_stalled() -> None:
 def test_a_lost_span_at_a_live_stage_is_only_degraded_by_flat_counters() -> None:
     """The request's span never comes (its abandonment was not heard) and the stage beats;
     a canary's steps move its counters every 4 s. The early overdue comes and goes with
-    them, so it never holds long enough to confirm itself, and no second kind joins it.
-    (Past the deadline floor the request is overdue as it always was.)"""
+    them, and no second kind joins it. Past the deadline floor the request is overdue for
+    good, and that alone confirms nothing, however long it stands."""
     talker = Talker(steps_every=4.0)
-    until = AT_TALKER + CONFIG.overdue_floor + CONFIG.confirm_timeout - STEP
+    until = AT_TALKER + CONFIG.overdue_floor + 3 * CONFIG.confirm_timeout
     reports = drive(talker, until)
     assert overdue_before(reports, AT_TALKER + CONFIG.overdue_floor)
+    assert verdict_at(reports) is None
+    assert set(talker_states(reports)) <= {StageState.HEALTHY, StageState.DEGRADED}
+
+
+def test_a_lost_span_at_an_idle_beating_stage_is_never_a_verdict() -> None:
+    """CI: a healthy, idle real vLLM-Omni stage, beating, one request overdue at it (its
+    span late or lost), was judged stalled on that alone once it stood `confirm_timeout`,
+    and the server was ended. The stage finished its steps and went idle; nothing but the
+    missing span says anything is wrong."""
+    talker = Talker(steps_at=(0.5, 1.0))
+    until = AT_TALKER + CONFIG.overdue_floor + 3 * CONFIG.confirm_timeout
+    reports = drive(talker, until)
+    # Overdue from 2 confirm timeouts before the end, and still at the end.
+    assert overdue_before(reports, until - 2 * CONFIG.confirm_timeout)
+    assert overdue_before(reports[-1:], until + STEP)
     assert verdict_at(reports) is None
     assert set(talker_states(reports)) <= {StageState.HEALTHY, StageState.DEGRADED}
