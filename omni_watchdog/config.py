@@ -416,11 +416,12 @@ class LadderConfig:
         maximum=_HOUR,
     )
     teardown_timeout: float = _duration(
-        30.0,
+        120.0,
         "A survivor that SIGKILL reached and that is on its way out at the end of"
         " release_timeout (the signal pending or its exit begun, not in uninterruptible"
-        " sleep: it waits for a busy CPU, or frees a large address space) is waited for"
-        " this much longer before it is called unkillable.",
+        " sleep) is waited for while its exit advances (runnable, gaining CPU time, losing"
+        " threads or memory: it frees a large address space on a busy core), up to this"
+        " much longer. One that stops advancing for 5 s is called unkillable at once.",
         minimum=0.1,
         maximum=_HOUR,
     )

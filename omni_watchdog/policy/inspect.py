@@ -29,14 +29,14 @@ _FLAGS_FIELD = 6
 # SIGKILL's bit in the pending-signal masks of /proc/<pid>/status.
 _SIGKILL_BIT = 1 << (9 - 1)
 # A kill(2) pends on the process (ShdPnd); the kernel marks each thread's own set (SigPnd).
-_PENDING_FIELDS = ("SigPnd:", "ShdPnd:")
+_PENDING_FIELDS = ("SigPnd", "ShdPnd")
 
 
 @dataclass(frozen=True)
 class ProcessCondition:
     """A process's scheduler state (psutil's name), its kernel wait channel ("" unreadable),
     whether SIGKILL is pending on it and whether the kernel runs its exit, and its CPU time
-    so far (None unreadable)."""
+    so far, its threads and its resident memory (each None unreadable)."""
 
     pid: int
     state: str
@@ -44,6 +44,21 @@ class ProcessCondition:
     kill_pending: bool = False
     exiting: bool = False
     cpu_seconds: float | None = None
+    threads: int | None = None
+    rss_bytes: int | None = None
+
+    @property
+    def runnable(self) -> bool:
+        """Running or waiting for a CPU: whatever it has left to do, it is not held."""
+        return self.state == "running"
+
+    def advanced_since(self, before: ProcessCondition) -> bool:
+        """It ran, a thread of it left, or it freed memory since `before` was read."""
+        return (
+            _rose(before.cpu_seconds, self.cpu_seconds)
+            or _rose(self.threads, before.threads)
+            or _rose(self.rss_bytes, before.rss_bytes)
+        )
 
     @property
     def dying(self) -> bool:
@@ -90,23 +105,37 @@ def read_condition(
         wait_channel = (directory / "wchan").read_text().strip()
     except OSError:
         wait_channel = ""
+    status = _status(directory)
+    rss_kib = _number(status.get("VmRSS", ""))
     return ProcessCondition(
         identity.pid,
         state,
         wait_channel,
-        kill_pending=_kill_pending(directory),
+        kill_pending=any(
+            _number(status.get(field, ""), 16) & _SIGKILL_BIT for field in _PENDING_FIELDS
+        ),
         exiting=_exiting(directory),
         cpu_seconds=cpu_seconds,
+        threads=_number(status.get("Threads", "")) if "Threads" in status else None,
+        rss_bytes=rss_kib * 1024 if "VmRSS" in status else None,
     )
 
 
-def _kill_pending(process_dir: Path) -> bool:
+def _status(process_dir: Path) -> dict[str, str]:
+    """The fields of /proc/<pid>/status, {} where it cannot be read."""
     try:
         lines = (process_dir / "status").read_text().splitlines()
-        masks = [int(line.split()[1], 16) for line in lines if line.startswith(_PENDING_FIELDS)]
-    except (OSError, ValueError, IndexError):
-        return False
-    return any(mask & _SIGKILL_BIT for mask in masks)
+    except OSError:
+        return {}
+    return {name: value.strip() for name, _, value in (line.partition(":") for line in lines)}
+
+
+def _number(text: str, base: int = 10) -> int:
+    """The leading number of a status field ("123 kB" is 123), 0 where there is none."""
+    try:
+        return int(text.split()[0], base) if text else 0
+    except ValueError:
+        return 0
 
 
 def _exiting(process_dir: Path) -> bool:
@@ -116,3 +145,8 @@ def _exiting(process_dir: Path) -> bool:
     except (OSError, ValueError, IndexError):
         return False
     return bool(flags & _PF_EXITING)
+
+
+def _rose(low: float | None, high: float | None) -> bool:
+    """`high` is above `low`, both read."""
+    return low is not None and high is not None and high > low

@@ -41,6 +41,10 @@ _CANNOT_ANSWER = frozenset({"stopped", "tracing-stop"})
 EXITED_BY_ITSELF = "the server exited by itself"
 # The bundle file naming the processes that outlived SIGKILL, with state and wait channel.
 UNKILLABLE_REPORT = "unkillable.json"
+# A survivor of SIGKILL that shows no progress in its exit for this long (not runnable,
+# no CPU time gained, no thread left, no memory freed) is held, not slow. A worker torn
+# down on a core shared with busy neighbours gains CPU time every few hundred ms.
+TEARDOWN_STILL = 5.0
 
 _RECOVERED_BY = {
     StepName.SHUTDOWN: IncidentOutcome.RECOVERED_BY_SHUTDOWN,
@@ -255,6 +259,9 @@ class LadderRunner:
             return IncidentOutcome.FAILED
         if verify.outcome is StepOutcome.FAILED:
             return IncidentOutcome.UNKILLABLE if _killed(incident) else IncidentOutcome.FAILED
+        if verify.outcome is StepOutcome.TIMEOUT:
+            # Survivors still being torn down when teardown_timeout ran out.
+            return IncidentOutcome.FAILED
         if verify.outcome is not StepOutcome.OK:
             return IncidentOutcome.LEAKED
         if recovered_by is None:
@@ -418,31 +425,29 @@ class LadderRunner:
             return await self._verify_port(timeout)
         started = self._clock.monotonic()
         deadline = started + timeout
-        # Past the deadline, a survivor that SIGKILL reached and no uninterruptible wait
-        # holds is on its way out; only one held, or one that outlasts this, is unkillable.
+        # Past the deadline, a survivor that SIGKILL reached is waited for while its
+        # teardown advances, up to this; one held in the kernel, or one that stopped
+        # advancing, is unkillable at once.
         teardown_deadline = deadline + self._config.teardown_timeout
-        dying: list[ProcessInfo] = []
+        teardown = _Teardown()
         while True:
             survivors = self._survivors(snapshot)
             memory_ok, memory_note = await self._memory_released(snapshot)
             if not survivors and memory_ok:
                 detail = f"every recorded process is gone; {memory_note}"
-                if dying:
+                if teardown.waited_for:
                     late = self._clock.monotonic() - deadline
-                    pids = ", ".join(f"pid {p.pid}" for p in dying)
+                    pids = ", ".join(f"pid {pid}" for pid in sorted(teardown.waited_for))
                     detail += f"; the kernel took {late:.1f}s more to end {pids}"
                 return StepOutcome.OK, detail
             now = self._clock.monotonic()
             if now >= deadline:
                 conditions = [(p, self._inspect(p.identity)) for p in survivors]
-                if not (
-                    survivors
-                    and _killed(incident)
-                    and now < teardown_deadline
-                    and all(condition.dying for _, condition in conditions)
-                ):
+                if not (survivors and _killed(incident)):
                     break
-                dying = survivors
+                teardown.read(conditions, now)
+                if now >= teardown_deadline or not teardown.advancing():
+                    break
             await self._sleep(_POLL)
         if not survivors:
             return StepOutcome.NOT_RECOVERED, f"processes gone but {memory_note}"
@@ -450,7 +455,17 @@ class LadderRunner:
         if not _killed(incident):
             return StepOutcome.FAILED, f"still alive after {timeout:g}s: {left}; {memory_note}"
         waited = self._clock.monotonic() - started
-        detail = f"unkillable: still alive {waited:.1f}s after the kill step: {left}; {memory_note}"
+        if teardown.advancing():
+            # Still being torn down at the bound: slow, not held. Calling it unkillable
+            # would send on-call to reset a GPU that is about to be free.
+            return StepOutcome.TIMEOUT, (
+                f"still being torn down {waited:.1f}s after the kill step, past"
+                f" teardown_timeout: {left}; {teardown.describe()}; {memory_note}"
+            )
+        detail = (
+            f"unkillable: still alive {waited:.1f}s after the kill step: {left};"
+            f" {teardown.describe()}; {memory_note}"
+        )
         report = [
             {
                 "pid": p.pid,
@@ -569,6 +584,49 @@ def _survivor(process: ProcessInfo, condition: ProcessCondition) -> str:
         return text
     opening, now = process.cpu_seconds, condition.cpu_seconds
     return f"{text}, CPU {opening:.2f}s at the opening, {now:.2f}s now"
+
+
+class _Teardown:
+    """The survivors of SIGKILL past verify's bound, and whether each still advances
+    towards its end.
+
+    Measured on the real vLLM-Omni: a SIGKILLed stage worker loses its threads, then spends
+    its last moments in the kernel's `exit_mmap`, freeing its address space, on the one
+    core vLLM binds it to: runnable, its CPU time rising, for seconds where busy neighbours
+    share that core. A process in that state is waited for. One in uninterruptible sleep,
+    one that SIGKILL did not reach, or one that showed no progress for `TEARDOWN_STILL`
+    is held and will not go by itself (docs/design.md, Remediation)."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, ProcessCondition] = {}
+        self._advanced_at: dict[int, float] = {}
+        self._held: list[str] = []
+        self.waited_for: set[int] = set()
+
+    def read(self, conditions: list[tuple[ProcessInfo, ProcessCondition]], now: float) -> None:
+        self._held = []
+        for process, condition in conditions:
+            pid = process.pid
+            before = self._last.get(pid)
+            if before is None or condition.advanced_since(before) or condition.runnable:
+                self._advanced_at[pid] = now
+            self._last[pid] = condition
+            if not condition.dying:
+                self._held.append(f"pid {pid} {condition.describe()}")
+            elif now - self._advanced_at[pid] >= TEARDOWN_STILL:
+                still = now - self._advanced_at[pid]
+                self._held.append(f"pid {pid} made no progress in its exit for {still:.1f}s")
+            else:
+                self.waited_for.add(pid)
+
+    def advancing(self) -> bool:
+        """Every survivor is on its way out and advanced within `TEARDOWN_STILL`."""
+        return bool(self._last) and not self._held
+
+    def describe(self) -> str:
+        if self._held:
+            return "held: " + ", ".join(self._held)
+        return "each still advancing in its exit (runnable, CPU time, threads or memory)"
 
 
 def _killed(incident: Incident) -> bool:

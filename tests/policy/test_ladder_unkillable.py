@@ -60,6 +60,12 @@ class Rig:
         self.exit_begun: set[int] = set()
         # Pids of `in_the_driver` that SIGKILL got as far as starting their exit.
         self.stuck_exiting: set[int] = set()
+        # How a pid of `exit_delay` looks until it exits: its scheduler state (a runnable
+        # one waits for a CPU) and the CPU seconds it gains each second (its teardown).
+        self.exit_state: dict[int, str] = {}
+        self.exit_cpu_rate: dict[int, float] = {}
+        # When SIGKILL reached each pid of `exit_delay`, and when it exits.
+        self._killed_at: dict[int, float] = {}
         self._dying: dict[int, float] = {}
         # Called after each step, as the policy would journal it.
         self.after_step: Callable[[Incident], None] = lambda incident: None
@@ -96,6 +102,7 @@ class Rig:
         if sig == KILL and pid in self.in_the_driver:
             return
         if sig == KILL and pid in self.exit_delay:
+            self._killed_at.setdefault(pid, self.clock.monotonic())
             self._dying.setdefault(pid, self.clock.monotonic() + self.exit_delay[pid])
         elif sig == KILL or sig not in self.fake.table[pid].ignores:
             del self.fake.table[pid]
@@ -116,7 +123,10 @@ class Rig:
     def inspect(self, identity: ProcessIdentity) -> ProcessCondition:
         pid = identity.pid
         if pid in self._dying:
-            return ProcessCondition(pid, "running", "0", True, pid in self.exit_begun, 2.5)
+            dying_for = self.clock.monotonic() - self._killed_at[pid]
+            cpu = 2.5 + self.exit_cpu_rate.get(pid, 0.0) * dying_for
+            state = self.exit_state.get(pid, "running")
+            return ProcessCondition(pid, state, "0", True, pid in self.exit_begun, cpu)
         stuck_exiting = pid in self.stuck_exiting
         return ProcessCondition(pid, "disk-sleep", "nvidia_wait", stuck_exiting, stuck_exiting)
 
@@ -176,6 +186,8 @@ def run_a_server(
     not_permitted: Set[int] = frozenset(),
     exit_delay: dict[int, float] | None = None,
     exit_begun: Set[int] = frozenset(),
+    exit_state: dict[int, str] | None = None,
+    exit_cpu_rate: dict[int, float] | None = None,
 ) -> tuple[Rig, Incident]:
     """`a_server` through the ladder, SIGKILL doing to each pid what the sets say."""
     rig = Rig(fake, steps)
@@ -185,6 +197,8 @@ def run_a_server(
     rig.not_permitted = set(not_permitted)
     rig.exit_delay = exit_delay or {}
     rig.exit_begun = set(exit_begun)
+    rig.exit_state = exit_state or {}
+    rig.exit_cpu_rate = exit_cpu_rate or {}
     return rig, rig.run()
 
 
@@ -223,51 +237,87 @@ def test_a_process_that_outlives_sigkill_is_unkillable(fake_psutil: FakePsutil) 
     ]
 
 
+# A teardown as the real one looks: a SIGKILLed vLLM-Omni worker freeing its address space
+# on a core shared with busy neighbours, sleeping on and off, gaining a little CPU time.
+# (the state it shows, the CPU seconds it gains a second) while it is torn down.
+Teardown = tuple[dict[int, str], dict[int, float]]
+SLOW_TEARDOWN: Teardown = ({103: "sleeping"}, {103: 0.02})
+# Sleeping in its exit and gaining nothing: held somewhere, though not in D state.
+STILL_TEARDOWN: Teardown = ({103: "sleeping"}, {103: 0.0})
+# Runnable, as the rig's processes are unless told otherwise.
+RUNNABLE: Teardown = ({}, {})
+
+
 @pytest.mark.parametrize(
-    ("exit_delay", "exit_begun", "stuck_exiting", "outcome", "detail"),
+    ("exit_delay", "exit_begun", "stuck_exiting", "teardown", "outcome", "detail"),
     [
         # SIGKILL pending on a process that waits for a busy CPU to act on it: waited for.
         (
             {103: 9.0},
             set(),
             set(),
+            RUNNABLE,
             IncidentOutcome.RECOVERED_BY_KILL,
             "the kernel took 6.0s more to end pid 103",
         ),
-        # A big process whose exit the kernel runs, slowly: waited for too.
+        # A big process whose exit the kernel runs, slowly: waited for while it advances,
+        # past `TEARDOWN_STILL` and for as long as the real one took in CI (40 s).
         (
-            {103: 9.0},
+            {103: 45.0},
             {103},
             set(),
+            SLOW_TEARDOWN,
             IncidentOutcome.RECOVERED_BY_KILL,
-            "the kernel took 6.0s more to end pid 103",
+            "the kernel took 42.0s more to end pid 103",
         ),
-        # Still on its way out when the teardown bound ends: reported, with its state.
+        # Still advancing in its exit when teardown_timeout runs out: not unkillable, but
+        # the ladder stops waiting and says so.
         (
-            {103: 60.0},
+            {103: 600.0},
             {103},
             set(),
+            SLOW_TEARDOWN,
+            IncidentOutcome.FAILED,
+            "still being torn down 122.0s after the kill step, past teardown_timeout: pid 103"
+            " (engine) sleeping, SIGKILL pending, exiting, wait channel hidden by the kernel,"
+            " CPU 0.00s at the opening, 4.96s now; each still advancing in its exit",
+        ),
+        # On its way out but no longer advancing: held, so unkillable once that is clear.
+        (
+            {103: 600.0},
+            {103},
+            set(),
+            STILL_TEARDOWN,
             IncidentOutcome.UNKILLABLE,
-            "still alive 32.0s after the kill step: pid 103 (engine) running, SIGKILL pending,"
-            " exiting, not waiting in the kernel, CPU 0.00s at the opening, 2.50s now",
+            "still alive 7.1s after the kill step: pid 103 (engine) sleeping, SIGKILL pending,"
+            " exiting, wait channel hidden by the kernel, CPU 0.00s at the opening, 2.50s now;"
+            " held: pid 103 made no progress in its exit for 5.0s",
         ),
         # Held in the driver on its way out: nothing to wait for, so no longer wait.
         (
             {},
             set(),
             {103},
+            RUNNABLE,
             IncidentOutcome.UNKILLABLE,
             "still alive 2.0s after the kill step: pid 103 (engine) disk-sleep, SIGKILL"
             " pending, exiting in nvidia_wait",
         ),
     ],
-    ids=["starved-of-cpu", "torn-down-late", "teardown-outlasts-its-bound", "stuck-in-exit"],
+    ids=[
+        "starved-of-cpu",
+        "torn-down-slowly",
+        "teardown-outlasts-its-bound",
+        "no-progress-in-its-exit",
+        "stuck-in-exit",
+    ],
 )
-def test_a_survivor_on_its_way_out_is_waited_for_within_a_bound(
+def test_a_survivor_on_its_way_out_is_waited_for_while_it_advances(
     fake_psutil: FakePsutil,
     exit_delay: dict[int, float],
     exit_begun: set[int],
     stuck_exiting: set[int],
+    teardown: Teardown,
     outcome: IncidentOutcome,
     detail: str,
 ) -> None:
@@ -277,8 +327,10 @@ def test_a_survivor_on_its_way_out_is_waited_for_within_a_bound(
         stuck_exiting=stuck_exiting,
         exit_delay=exit_delay,
         exit_begun=exit_begun,
+        exit_state=teardown[0],
+        exit_cpu_rate=teardown[1],
     )
-    assert incident.outcome is outcome
+    assert incident.outcome is outcome, step(incident, StepName.VERIFY).detail
     assert step(incident, StepName.KILL).outcome is StepOutcome.NOT_RECOVERED
     assert detail in step(incident, StepName.VERIFY).detail
     assert [name for _, name, _ in rig.reports] == (
