@@ -33,7 +33,7 @@ lint: $(STAMP)
 	MYPYPATH=tests $(BIN)/mypy --strict --explicit-package-bases tests
 
 test: lint tools
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The unit tier, for your own loop: nothing marked e2e and neither real-server folder, so
 # no lint and no tools to install; under a minute on two cores. Tests go to the workers

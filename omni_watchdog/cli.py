@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="end with one JSON summary line")
     demo.add_argument("--fault", default="1:engine-dead-hang", help="[STAGE:]KIND to inject")
     demo.add_argument("--model-generation", default="0.11", choices=["0.11", "0.30"])
+    demo.add_argument("--port", type=int, help="the simulated server's port (default: a free one)")
 
     config = commands.add_parser("config", help="check a config, or list every default")
     config.add_argument("--config", help="YAML config file to check")
@@ -209,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from omni_watchdog.demo import run_demo
 
-            return run_demo(args.fault, args.model_generation, as_json=args.json)
+            return run_demo(args.fault, args.model_generation, as_json=args.json, port=args.port)
         if args.config:
             load_config(args.config, environ={})
             print(f"{args.config}: ok")

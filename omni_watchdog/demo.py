@@ -280,15 +280,17 @@ async def attached(
     sim_args: list[str] | None = None,
     sim_env: Mapping[str, str] | None = None,
     stage_config: Path | None = None,
+    port: int | None = None,
 ) -> AsyncIterator[tuple[Any, SimProcess]]:
-    """A watchdog attached to a simulated server this process started; both end on exit."""
+    """A watchdog attached to a simulated server this process started (on `port`, else on
+    a free one); both end on exit."""
     from omni_watchdog.clock import SystemClock
     from omni_watchdog.factory import build_watchdog
 
     state_dir = workdir / "sim-state"
     # The watchdog's NVML stand-in reads the simulated devices from the same directory.
     os.environ["OMNI_WATCHDOG_SIM_STATE"] = str(state_dir)
-    port = free_port()
+    port = port or free_port()
     stage_config = stage_config or example_config(generation)
     config = demo_config(workdir, f"http://127.0.0.1:{port}", stage_config, mode, overrides)
     watchdog = await build_watchdog(config, clock=SystemClock())
@@ -315,13 +317,14 @@ async def run_scenario(
     mode: str = "enforce",
     say: Callable[[str], None] = print,
     timeout: float = 90.0,
+    port: int | None = None,
 ) -> tuple[Incident | None, float | None]:
     """Sim + watchdog + the report's request; the first closed incident and the fault time.
 
     The faults are armed once warm-up is over, just before the report's request: armed at
     start, the watchdog's own canary could fire them while nothing is judged yet.
     """
-    async with attached(workdir, [], generation, mode) as (watchdog, server):
+    async with attached(workdir, [], generation, mode, port=port) as (watchdog, server):
         say(
             f"simulated vLLM-Omni {generation} server starting on {server.url}"
             f" (faults: {', '.join(faults)})"
@@ -367,7 +370,7 @@ async def send_request(url: str) -> None:
                 await response.read()
 
 
-def run_demo(fault: str, generation: str, as_json: bool = False) -> int:
+def run_demo(fault: str, generation: str, as_json: bool = False, port: int | None = None) -> int:
     try:
         check_generation(parse_fault(fault).kind, generation)
     except FaultError as error:
@@ -378,7 +381,7 @@ def run_demo(fault: str, generation: str, as_json: bool = False) -> int:
     log_path = workdir / "watchdog.log"
     configure_logging("info", log_path.open("a", encoding="utf-8"))
     print("omni-watchdog demo: a stage error that hangs vLLM-Omni, detected and cleaned up\n")
-    incident, fault_time = asyncio.run(run_scenario(workdir, [fault], generation))
+    incident, fault_time = asyncio.run(run_scenario(workdir, [fault], generation, port=port))
     if incident is None:
         print("no incident was recorded", file=sys.stderr)
         return 1

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import explain
+from ports import free_port
 
+from omni_watchdog import demo
 from omni_watchdog.config import PROBES, merge_layers
-from omni_watchdog.demo import closed_incident, send_request, wait_for
+from omni_watchdog.demo import SimProcess, closed_incident, send_request, wait_for
 from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
 
 FAST: dict[str, Any] = {
@@ -47,12 +51,12 @@ FAST: dict[str, Any] = {
     },
 }
 SIM_ENV = {"OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5"}
-# A server that crashes by itself: vLLM takes about 3 s from its 503 to its exit, the
-# simulator about 1 s, and over 5 s once on two busy cores. A test of the crash waits
-# long enough for it to happen, and sends no canary: answered 500 within 0.1 s of the
-# engine's death, it paired with the exit into a verdict before a loaded watchdog read
-# the 503, and the ladder, rightly not waiting on a server that had not said it is going,
-# ended it with SIGTERM.
+# A server that crashes by itself: vLLM takes about 3 s from its 503 to its exit, as does
+# the simulator (its FATAL_EXIT_DELAY_S), and over 5 s once on two busy cores. A test of
+# the crash waits long enough for it to happen, and sends no canary: answered 500 within
+# 0.1 s of the engine's death, it paired with the exit into a verdict before a loaded
+# watchdog read the 503, and the ladder, rightly not waiting on a server that had not said
+# it is going, ended it with SIGTERM.
 WAITS_FOR_A_CRASH = merge_layers(
     FAST,
     {
@@ -98,6 +102,52 @@ async def warmed_up(watchdog: Any, judged_after: float | None = None) -> None:
             f" process scans {watchdog.tracker.generation},"
             f" self-health {watchdog.state.self_health}"
         ) from error
+
+
+async def judged_for(watchdog: Any, seconds: float, slack: float = 60.0) -> None:
+    """Wait until the watchdog has judged `seconds` of time it could see from now on: an
+    evaluation made that much later, its own blind spells not counted, as the detector
+    counts none of them against the server. Fails `slack` seconds after that was due."""
+    since = watchdog.clock.monotonic()
+    blind_before = watchdog.state.self_health.blind_seconds
+
+    def judged() -> float:
+        state = watchdog.state
+        blind = state.self_health.blind_seconds - blind_before
+        return state.report.time - since - blind if state.report else 0.0
+
+    try:
+        await wait_for(lambda: judged() > seconds, seconds + slack)
+    except TimeoutError as error:
+        raise AssertionError(
+            f"the watchdog judged {judged():.1f}s of the {seconds:g}s wanted in"
+            f" {seconds + slack:g}s; self-health {watchdog.state.self_health}"
+        ) from error
+
+
+@contextlib.asynccontextmanager
+async def attached(
+    workdir: Path,
+    faults: list[str],
+    generation: str = "0.11",
+    mode: str = "enforce",
+    overrides: Mapping[str, Any] | None = None,
+    sim_args: list[str] | None = None,
+    sim_env: Mapping[str, str] | None = None,
+    stage_config: Path | None = None,
+) -> AsyncIterator[tuple[Any, SimProcess]]:
+    """`omni_watchdog.demo.attached`, the simulated server on a port of this test worker's;
+    a failed test shows what the watchdog judged and the server's log."""
+    async with demo.attached(
+        workdir, faults, generation, mode, overrides, sim_args, sim_env, stage_config, free_port()
+    ) as attachment:
+        watchdog, server = attachment
+        explain.witness_this_test("the watchdog", lambda: watchdog_account(watchdog))
+        explain.witness_this_test(
+            "the simulated server",
+            lambda: server.log_path.read_text(errors="replace")[-3000:],
+        )
+        yield attachment
 
 
 def state(watchdog: Any, stage: StageRef) -> StageState | None:
@@ -189,6 +239,26 @@ async def note_worse_than_degraded(
                     f"{line} [at {time.monotonic():.1f}, load {' '.join(load)}, waits {waits}]"
                 )
         await asyncio.sleep(interval)
+
+
+def watchdog_account(watchdog: Any) -> str:
+    """What a failed test prints of a watchdog: each stage's last state with its evidence,
+    every incident with its verdicts and steps, and its own health."""
+    report = watchdog.state.report
+    lines = [f"self-health: {watchdog.state.self_health}"]
+    if report is None:
+        lines.append("never judged")
+    else:
+        lines.append(f"last judged at {report.time:.1f} (warm {report.warmed_up}):")
+        for status in report.statuses:
+            evidence = "; ".join(f"{e.kind.value}: {e.detail}" for e in status.evidence)
+            lines.append(
+                f"  {status.stage} {status.state.value}" + (f" ({evidence})" if evidence else "")
+            )
+    incidents = watchdog.policy.incidents()
+    lines.append(f"{len(incidents)} incident(s)")
+    lines += described(incidents)
+    return "\n".join(lines)
 
 
 def described(incidents: Any) -> list[str]:

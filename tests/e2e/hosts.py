@@ -26,6 +26,7 @@ import aiohttp
 import psutil
 import yaml
 from e2e.harness import FAST, SIM_ENV, warmed_up
+from ports import free_port
 
 from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
@@ -35,7 +36,6 @@ from omni_watchdog.demo import (
     SimProcess,
     demo_config,
     example_config,
-    free_port,
     wait_for,
 )
 from omni_watchdog.factory import build_watchdog

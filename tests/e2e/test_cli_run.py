@@ -20,16 +20,18 @@ from e2e.harness import (
     SIM_ENV,
     WAITS_FOR_A_CRASH,
     all_healthy,
+    attached,
     in_background,
     incident_done,
     run_scenario,
     warmed_up,
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from ports import free_port
 
 from omni_watchdog.cli import EXIT_CANNOT_START, EXIT_CONFIG
 from omni_watchdog.config import merge_layers
-from omni_watchdog.demo import SimProcess, attached, example_config, free_port, wait_for
+from omni_watchdog.demo import SimProcess, example_config, wait_for
 from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.semconv import HEARTBEAT_SPAN, PROCESS_PID, STAGE_ID
 from omni_watchdog.types import IncidentOutcome
@@ -46,7 +48,7 @@ def get_json(url: str) -> Any:
 
 
 def test_run_command_attaches_and_stops_on_sigterm(tmp_path: Path) -> None:
-    server = SimProcess.start(tmp_path, [], "0.11")
+    server = SimProcess.start(tmp_path, [], "0.11", port=free_port())
     api = free_port()
     watchdog = subprocess.Popen(
         [
@@ -186,7 +188,7 @@ def metric(text: str, series: str) -> float:
 
 
 def test_run_serves_otlp_as_a_collector_does(tmp_path: Path) -> None:
-    server = SimProcess.start(tmp_path, [], "0.30")
+    server = SimProcess.start(tmp_path, [], "0.30", port=free_port())
     api, otlp = free_port(), free_port()
     watchdog = subprocess.Popen(
         [

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +29,7 @@ def test_a_fault_the_demo_cannot_inject_is_one_line_and_exit_2(fault: str, gener
 
 def test_the_demo_prints_the_timeline_and_exits_0_once_memory_is_released() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "omni_watchdog.cli", "demo", "--json"],
+        [sys.executable, "-m", "omni_watchdog.cli", "demo", "--json", "--port", str(free_port())],
         capture_output=True,
         text=True,
         timeout=120,

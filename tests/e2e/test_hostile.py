@@ -19,8 +19,10 @@ from e2e.harness import (
     FAST,
     RECOVERED,
     SIM_ENV,
+    attached,
     in_background,
     incident_done,
+    judged_for,
     run_scenario,
     step,
     steps_of,
@@ -29,16 +31,15 @@ from e2e.harness import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from ports import free_port
 
 from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import merge_layers
 from omni_watchdog.demo import (
     SimProcess,
-    attached,
     demo_config,
     example_config,
-    free_port,
     wait_for,
 )
 from omni_watchdog.exporters.views import target_health
@@ -130,6 +131,14 @@ def traces_url(watchdog: Any) -> str:
     return f"http://127.0.0.1:{watchdog.otlp_port}/v1/traces"
 
 
+def refused_more(watchdog: Any, before: Mapping[str, int]) -> bool:
+    """Whether the receiver has refused more spans since `before` for both reasons a forger
+    gets: a sender outside the target's tree, and a stage it does not have."""
+    now = watchdog.receiver.stats.spans_rejected
+    reasons = ("unknown_sender", "unknown_stage")
+    return all(now.get(reason, 0) > before.get(reason, 0) for reason in reasons)
+
+
 async def metrics_series(watchdog: Any) -> int:
     url = f"http://127.0.0.1:{watchdog.api_port}/metrics"
     async with aiohttp.ClientSession() as session, session.get(url) as response:
@@ -145,6 +154,7 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
         ):
             await warmed_up(watchdog)
             series = await metrics_series(watchdog)
+            refused_before = watchdog.receiver.stats.spans_rejected
             stop = asyncio.Event()
             # Heartbeats and admissions that would each make a stage look stalled if
             # believed: for stages the server has, and for 500 it does not.
@@ -154,15 +164,24 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
                     forge(traces_url(watchdog), outsider(), list(range(7, 507)), stop)
                 ),
             ]
-            # Longer than the confirm timeout plus the overdue floor: long enough for a
-            # believed forgery to open an incident.
-            await asyncio.sleep(18)
+            # Both forgers' spans have reached the receiver once it refuses both kinds.
+            try:
+                await wait_for(lambda: refused_more(watchdog, refused_before), 30)
+            except TimeoutError as error:
+                raise AssertionError(
+                    f"forgeries not refused: {watchdog.receiver.stats.spans_rejected}"
+                ) from error
+            refused_from = watchdog.receiver.stats.spans_rejected
+            # A believed admission is owed a span by stage 0, overdue after its deadline
+            # (the overdue floor at least) and judged once that stood confirm_timeout.
+            confirm = watchdog.config.detection.confirm_timeout
+            await judged_for(watchdog, watchdog.detector.deadline(0) + confirm)
             stop.set()
             assert min(await asyncio.gather(*forgers)) > 10
             assert watchdog.policy.incidents() == []
             assert target_health(watchdog.state)[0] == 200
-            rejected = watchdog.receiver.stats.spans_rejected
-            assert rejected["unknown_sender"] > 0 and rejected["unknown_stage"] > 0
+            # Forged all along, not only at first.
+            assert refused_more(watchdog, refused_from), watchdog.receiver.stats.spans_rejected
             # The canary's own request may still be on its way through: only it counts.
             await wait_for(lambda: watchdog.detector.in_flight(0) == 0, 10)
             assert await metrics_series(watchdog) == series
@@ -229,6 +248,7 @@ async def server_and_watchdog(
         workdir,
         faults,
         generation,
+        port=free_port(),
         env={
             "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}/v1/traces",
             "OMNI_WATCHDOG_ADMIN_TOKEN": "demo-token",

@@ -43,11 +43,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from otlp_bodies import batch
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_alerts import EXPORTER_FAMILIES, prometheus_tool
 
 from omni_watchdog.config import PROBES, merge_layers
-from omni_watchdog.demo import SimProcess, example_config, free_port
+from omni_watchdog.demo import SimProcess, example_config
 from omni_watchdog.process_start import sender_attributes
 
 pytestmark = pytest.mark.e2e
@@ -192,6 +193,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         workdir,
         [],
         GENERATION,
+        port=free_port(),
         env={
             "OMNI_WATCHDOG_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}/v1/traces",
             "OMNI_WATCHDOG_OTLP_TOKEN": TOKEN,

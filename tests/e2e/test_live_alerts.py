@@ -19,10 +19,11 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from e2e.harness import FAST, SIM_ENV, run_scenario, warmed_up
+from e2e.harness import FAST, SIM_ENV, attached, run_scenario, warmed_up
+from ports import free_port
 from test_alerts import RULES, prometheus_tool
 
-from omni_watchdog.demo import attached, free_port, send_request
+from omni_watchdog.demo import send_request
 from omni_watchdog.log import configure_logging
 
 pytestmark = pytest.mark.e2e

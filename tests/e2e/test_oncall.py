@@ -19,6 +19,7 @@ from e2e.harness import (
     OPERATOR_TOKEN,
     RECOVERED,
     SIM_ENV,
+    attached,
     closed_by_id,
     in_background,
     oncall,
@@ -28,7 +29,7 @@ from e2e.harness import (
 from exporters.browser import laid_out
 
 from omni_watchdog.config import merge_layers
-from omni_watchdog.demo import SimProcess, attached, wait_for
+from omni_watchdog.demo import SimProcess, wait_for
 from omni_watchdog.policy.incidents import IncidentJournal, StateWriteErrors
 from omni_watchdog.types import IncidentOutcome, OperatorAction, StepName
 

@@ -4,13 +4,14 @@ and a stage's heartbeats stop exactly when its loop blocks."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e.harness import FAST, SIM_ENV, run_scenario
+from e2e.harness import FAST, SIM_ENV, attached, run_scenario
 
-from omni_watchdog.demo import attached, send_request, wait_for
+from omni_watchdog.demo import send_request, wait_for
 from omni_watchdog.semconv import (
     HEARTBEAT_SPAN,
     REQUEST_ADMITTED_SPAN,
@@ -21,10 +22,44 @@ from omni_watchdog.types import StageRef
 
 pytestmark = pytest.mark.e2e
 STAGES = (StageRef(0), StageRef(1), StageRef(2))
+# Heartbeats of each other stage that land while a blocked stage's stay away: first enough
+# for the spans it sent before it blocked to land (about 1.5 s at SIM_ENV's 0.5 s interval),
+# then the window in which none of its own may (about 3 s).
+SETTLING_BEATS = 3
+QUIET_BEATS = 6
 
 
 def names(watchdog: Any, stage: StageRef | None) -> list[str]:
     return [record.name for record in watchdog.store.recent(stage)]
+
+
+async def quiet_while_others_beat(watchdog: Any, blocked: StageRef, beats: int) -> float | None:
+    """Wait until every other stage's heartbeat has landed `beats` times in a row in which
+    `blocked`'s did not; its last heartbeat then."""
+    others = set(STAGES) - {blocked}
+    deadline = time.monotonic() + 30
+    heartbeat = watchdog.detector.last_heartbeat
+    quiet_at: float | None = heartbeat(blocked)
+    last = {stage: heartbeat(stage) for stage in others}
+    landed = dict.fromkeys(others, 0)
+    moves = 0
+    while min(landed.values()) < beats:
+        if time.monotonic() > deadline:
+            counts = ", ".join(f"stage {stage}: {count}" for stage, count in landed.items())
+            raise AssertionError(
+                f"stage {blocked}'s heartbeat moved {moves} time(s); since its last move the"
+                f" others' landed {counts} times, not {beats} each"
+            )
+        await asyncio.sleep(0.05)
+        if heartbeat(blocked) != quiet_at:
+            quiet_at = heartbeat(blocked)
+            landed = dict.fromkeys(others, 0)
+            moves += 1
+        for stage in others:
+            if heartbeat(stage) != last[stage]:
+                last[stage] = heartbeat(stage)
+                landed[stage] += 1
+    return quiet_at
 
 
 def test_report_request_produces_admitted_stage_and_heartbeat_spans(tmp_path: Path) -> None:
@@ -66,12 +101,7 @@ def test_heartbeats_of_a_blocked_stage_stop(tmp_path: Path, fault: str, blocked:
             await wait_for(lambda: all(wd.detector.last_heartbeat(s) for s in STAGES), 30)
             asyncio.get_running_loop().create_task(send_request(srv.url))
             await wait_for(lambda: srv.fault_time(), 10)
-            await asyncio.sleep(0.5)  # spans already in flight may still land
-            stopped_at = wd.detector.last_heartbeat(blocked)
-            await asyncio.sleep(3)
-            assert wd.detector.last_heartbeat(blocked) == stopped_at
-            for other in set(STAGES) - {blocked}:
-                last = wd.detector.last_heartbeat(other)
-                assert last is not None and wd.clock.monotonic() - last < 1.5
+            stopped_at = await quiet_while_others_beat(wd, blocked, SETTLING_BEATS)
+            assert await quiet_while_others_beat(wd, blocked, QUIET_BEATS) == stopped_at
 
     run_scenario(scenario())

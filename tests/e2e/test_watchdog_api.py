@@ -8,9 +8,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e.harness import FAST, SIM_ENV, run_scenario, with_fault
+from e2e.harness import FAST, SIM_ENV, attached, run_scenario, with_fault
 
-from omni_watchdog.demo import attached, send_request, wait_for
+from omni_watchdog.demo import send_request, wait_for
 from omni_watchdog.types import EvidenceKind, StageRef, StageState
 
 pytestmark = pytest.mark.e2e

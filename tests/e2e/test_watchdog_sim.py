@@ -20,8 +20,10 @@ from e2e.harness import (
     WAITS_FOR_A_CRASH,
     all_healthy,
     assert_released,
+    attached,
     in_background,
     incident_done,
+    judged_for,
     run_scenario,
     state,
     step,
@@ -30,7 +32,7 @@ from e2e.harness import (
 )
 
 from omni_watchdog.config import ProbesConfig, merge_layers
-from omni_watchdog.demo import attached, wait_for
+from omni_watchdog.demo import wait_for
 from omni_watchdog.exporters.views import target_health
 from omni_watchdog.log import configure_logging
 from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
@@ -278,8 +280,13 @@ def test_zombie_is_reported_not_remediated(tmp_path: Path, generation: str) -> N
             lambda: [p for p in watchdog.tracker.live() if p.status.value == "zombie"], 10
         )
         assert len(zombies) == 1
-        await asyncio.sleep(3)
+        # Taken for a stuck process, it would be confirmed stuck_timeout + confirm_timeout
+        # after it was first seen, which was before now.
+        detection = watchdog.config.detection
+        await judged_for(watchdog, detection.stuck_timeout + detection.confirm_timeout)
         assert not watchdog.policy.incidents()
+        still = [p.pid for p in watchdog.tracker.live() if p.status.value == "zombie"]
+        assert still == [zombies[0].pid]
         assert all(s.state is StageState.HEALTHY for s in watchdog.state.report.statuses)
 
     run(tmp_path, ["1:zombie"], generation, body, remediated=False)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import socket
 import time
 
 import pytest
 from exporters.otlp_capture import CaptureServer, attributes
 from exporters.watchdog_state import scripted_state
+from ports import free_port
 
 from omni_watchdog.exporters.traces import IncidentTraces
 from omni_watchdog.semconv import (
@@ -95,12 +95,6 @@ def incident() -> Incident:
         outcome=IncidentOutcome.LEAKED,
         closed=OPENED + 14.25,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_an_incident_is_one_trace_with_a_child_per_step() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from ports import free_port
 
 
 def attribute_value(value: AnyValue) -> Any:
@@ -99,12 +99,6 @@ class Collector:
     def named(self, name: str) -> list[CapturedSpan]:
         with self._lock:
             return [span for span in self.spans if span.name == name]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def poll_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 from fakes import FakePsutil
+from ports import free_port
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.probes.link import MasterLinkProbe, master_of
@@ -115,13 +116,6 @@ def master_listening() -> Iterator[int]:
         yield server.getsockname()[1]
     finally:
         server.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 def check(table: FakePsutil) -> tuple[HealthOutcome | None, str]:

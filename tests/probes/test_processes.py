@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 from fakes import SERVER_PORT, FakePsutil
+from ports import free_port
 
 from omni_watchdog.clock import FakeClock, SystemClock
 from omni_watchdog.policy.actuators import SignalGuard, is_alive
@@ -534,12 +534,6 @@ def servers(tmp_path: Path) -> Iterator[Servers]:
         yield harness
     finally:
         harness.kill_all()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def until(

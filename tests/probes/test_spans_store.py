@@ -7,7 +7,6 @@ import contextlib
 import gzip
 import importlib.util
 import json
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -22,6 +21,7 @@ from listening import listening
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from otlp_bodies import batch, key_value
+from ports import free_port
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
@@ -191,12 +191,6 @@ def test_forwarding_reaches_the_upstream_as_received() -> None:
     assert statuses == [200, 200, 400]
     assert upstream.received == [(BODY, PROTOBUF, ""), (gzipped, PROTOBUF, "gzip")]
     assert dropped == 0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_upstream_down_drops_and_counts_without_failing_ingestion() -> None:

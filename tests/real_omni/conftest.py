@@ -6,21 +6,29 @@ skip, except in CI, where a missing environment is a failure.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import explain
 import pytest
 from real_omni.server import (
+    FAULTS_DIR,
     MODEL_ARCHITECTURE,
     OMNI_PYTHON,
     OMNI_STAMP,
     READY_TIMEOUT,
+    Faults,
     OmniServer,
     omni_environment,
     start_omni_server,
 )
-from real_vllm.server import VllmServer, installed_python, make_tiny_model
+from real_vllm.server import (
+    Shared,
+    VllmServer,
+    installed_python,
+    make_tiny_model,
+    start_ready,
+)
 
 
 @pytest.fixture(scope="session")
@@ -39,14 +47,28 @@ def omni_model(omni_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 @pytest.fixture(scope="module")
-def shared_omni(omni_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OmniServer]:
-    """One ready server for the tests that do not harm it."""
-    server, faults = start_omni_server(omni_model, tmp_path_factory.mktemp("shared-omni"))
+def shared_omni_server(
+    omni_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Shared[OmniServer]]:
+    """One ready server for the tests of a module that do not harm it."""
+    workdir = tmp_path_factory.mktemp("shared-omni")
+    server = start_ready(lambda: start_omni_server(omni_model, workdir)[0], READY_TIMEOUT)
+    faults = Faults(workdir / FAULTS_DIR)
     try:
-        asyncio.run(server.wait_ready(READY_TIMEOUT))
-        yield server, faults
+        with explain.witnessed("the shared vLLM-Omni server", server.account):
+            yield Shared((server, faults), server)
     finally:
         server.stop()
+
+
+@pytest.fixture
+def shared_omni(
+    shared_omni_server: Shared[OmniServer], request: pytest.FixtureRequest
+) -> Iterator[OmniServer]:
+    """The module's shared server, alive: a test that finds it ended by an earlier test
+    fails at once, naming that test, since its failure is a consequence."""
+    with shared_omni_server.used_by(request.node.nodeid):
+        yield shared_omni_server.value
 
 
 @pytest.fixture
@@ -55,9 +77,11 @@ def fresh_omni(omni_model: Path, tmp_path: Path) -> Iterator[Callable[..., OmniS
     started: list[VllmServer] = []
 
     def start(env: Mapping[str, str] | None = None) -> OmniServer:
-        server, faults = start_omni_server(omni_model, tmp_path / f"omni-{len(started)}", env)
+        workdir = tmp_path / f"omni-{len(started)}"
+        server = start_ready(lambda: start_omni_server(omni_model, workdir, env)[0], READY_TIMEOUT)
+        faults = Faults(workdir / FAULTS_DIR)
         started.append(server)
-        asyncio.run(server.wait_ready(READY_TIMEOUT))
+        explain.witness_this_test(f"vLLM-Omni server {server.url}", server.account)
         return server, faults
 
     try:

@@ -38,8 +38,10 @@ from pathlib import Path
 import aiohttp
 import psutil
 import pytest
+from ports import free_port
 from real_omni.server import (
     DEPLOY_FILE,
+    FAULTS_DIR,
     FAULTS_ENV,
     OTLP_TOKEN,
     STAGE_NAMES,
@@ -48,8 +50,6 @@ from real_omni.server import (
     omni_serve,
 )
 from real_vllm.server import MODEL_NAME, StartedTree, VllmServer, launch
-
-from omni_watchdog.demo import free_port
 
 MASTER_ADDRESS = "127.0.0.1"
 # The head's own stage; every other stage of the pipeline is remote.
@@ -143,16 +143,10 @@ class Deployment:
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
                 if self.head.process.poll() is not None:
-                    pytest.fail(
-                        f"the head exited with {self.head.process.returncode}:\n"
-                        f"{self.head.log_tail()}"
-                    )
+                    self.head.exited("the head")
                 for stage in self.stages.values():
                     if not stage.alive():
-                        pytest.fail(
-                            f"headless stage {stage.stage_id} exited with "
-                            f"{stage.process.returncode}:\n{stage.log_tail()}"
-                        )
+                        stage.exited(f"headless stage {stage.stage_id}")
                     stage.tree()
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                     async with session.get(
@@ -171,6 +165,12 @@ class Deployment:
         for stage in self.started:
             stage.stop()
         self.head.stop()
+
+    def account(self) -> str:
+        """What a failed test prints of the head and of every headless stage started."""
+        parts = [f"-- the head:\n{self.head.account()}"]
+        parts += [f"-- headless stage {s.stage_id}:\n{s.account()}" for s in self.started]
+        return "\n".join(parts)
 
 
 def start_head(
@@ -243,7 +243,7 @@ def start_deployment(
 
     Every stage but the head's own must be started, or the head waits for it
     (`--stage-init-timeout`, 300 s) and never answers."""
-    faults = Faults(workdir / "faults")
+    faults = Faults(workdir / FAULTS_DIR)
     faults.directory.mkdir(parents=True, exist_ok=True)
     master_port = free_port()
     head = start_head(

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from ports import free_port
 from real_vllm.server import MODEL_NAME, REAL_FAST, REPO, VllmServer, watching
 
 from omni_watchdog.config import LadderConfig, merge_layers
-from omni_watchdog.demo import free_port
 from omni_watchdog.types import StageRef
 
 OMNI_VENV = REPO / ".venv-omni"
@@ -32,6 +32,8 @@ IMPORT_SHIM = REPO / "tests" / "real_omni" / "shim"
 MODEL_ARCHITECTURE = "HarnessLlamaForCausalLM"
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 FAULTS_ENV = "OMNI_CPU_HARNESS_FAULTS"
+# Where a server's fault files live, under its work directory.
+FAULTS_DIR = "faults"
 # The receiver's token, as the README sets it on both sides.
 OTLP_TOKEN = "real-omni-test-otlp-token"
 # Three stages start one after another, each in two freshly spawned processes: about two
@@ -104,7 +106,7 @@ def start_omni_server(
     """`vllm serve MODEL --omni` with the harness pipeline (or another deploy file of it);
     ready only after `wait_ready`."""
     port, otlp_port = free_port(), free_port()
-    faults = Faults(workdir / "faults")
+    faults = Faults(workdir / FAULTS_DIR)
     faults.directory.mkdir(parents=True, exist_ok=True)
     argv = omni_serve(
         model,

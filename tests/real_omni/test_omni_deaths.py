@@ -27,7 +27,6 @@ from real_vllm.client import (
 
 from omni_watchdog.types import (
     EvidenceKind,
-    IncidentOutcome,
     StageRef,
     StageState,
     StepName,
@@ -52,12 +51,13 @@ def test_forward_that_raises_kills_the_stage_and_the_server_is_ended(
             assert await request == 500
             incident = await incident_done(watchdog, 90)
             verdict = verdict_on(incident, code2wav)
-            # The stage answers 503 at once; its engine and worker exit after tearing
-            # down, which took over 2 s on two busy cores once. A /health streak seen
-            # before the exit makes the verdict `stalled`; either way it names the stage.
-            assert verdict is not None, incident
-            assert verdict.state in (StageState.DEAD, StageState.STALLED), incident
-            assert incident.outcome in RECOVERED | {IncidentOutcome.CRASHED}, steps_of(incident)
+            # The server answers 503 at once ("no live replica"); the stage's engine and
+            # worker exit after tearing down, which took over 2 s on two busy cores once.
+            # Whichever the watchdog sees first, the 503 or the exit, the stage is dead.
+            assert verdict is not None and verdict.state is StageState.DEAD, incident
+            # vLLM-Omni 0.30 never exits by itself after a stage death: one of the
+            # ladder's steps ended it, never a crash of its own.
+            assert incident.outcome in RECOVERED, steps_of(incident)
             await gone(server, 15)
 
     asyncio.run(scenario())

@@ -20,18 +20,21 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import explain
 import psutil
 import pytest
 from e2e.harness import RECOVERED, incident_done
-from real_omni.headless import Deployment, HeadlessStage, start_deployment
+from ports import free_port
+from real_omni.headless import READY_TIMEOUT, Deployment, HeadlessStage, start_deployment
 from real_omni.judging import wait_for_async
 from real_omni.server import OMNI_FAST, watched
 from real_vllm.client import answer, health_status
+from real_vllm.server import start_ready
 
 from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import load_config, merge_layers
-from omni_watchdog.demo import free_port, wait_for
+from omni_watchdog.demo import wait_for
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.types import EvidenceKind, IncidentOutcome, StageRef, StageState
 
@@ -62,9 +65,13 @@ def deployment(omni_model: Path, tmp_path: Path, receivers: dict[int, int]) -> I
         }
         for stage_id, port in receivers.items()
     }
-    started = start_deployment(omni_model, tmp_path / "deployment", stage_env=stage_env)
+    workdir = tmp_path / "deployment"
+    started = start_ready(
+        lambda: start_deployment(omni_model, workdir, stage_env=stage_env), READY_TIMEOUT
+    )
     try:
-        yield started
+        with explain.witnessed("the deployment", started.account):
+            yield started
     finally:
         started.stop()
 
@@ -133,7 +140,6 @@ def test_each_host_s_watchdog_acts_on_its_own_stage_and_the_head_s_never_across(
     (tmp_path / "head").mkdir()
 
     async def scenario() -> None:
-        await deployment.wait_ready()
         talker, code2wav = deployment.stages[1], deployment.stages[2]
         async with (
             watched(

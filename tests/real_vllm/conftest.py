@@ -6,17 +6,20 @@ in CI, where a missing environment is a failure.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import explain
 import pytest
 from real_vllm.server import (
+    READY_TIMEOUT,
     VLLM_PYTHON,
     VLLM_STAMP,
+    Shared,
     VllmServer,
     installed_python,
     make_tiny_model,
+    start_ready,
 )
 
 
@@ -33,16 +36,27 @@ def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 @pytest.fixture(scope="module")
-def shared_server(
+def shared_vllm_server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    """One ready server for the tests that do not harm it."""
-    server = VllmServer.start(tiny_model, tmp_path_factory.mktemp("shared-vllm"))
+) -> Iterator[Shared[VllmServer]]:
+    """One ready server for the tests of a module that do not harm it."""
+    workdir = tmp_path_factory.mktemp("shared-vllm")
+    server = start_ready(lambda: VllmServer.start(tiny_model, workdir), READY_TIMEOUT)
     try:
-        asyncio.run(server.wait_ready())
-        yield server
+        with explain.witnessed("the shared vLLM server", server.account):
+            yield Shared(server, server)
     finally:
         server.stop()
+
+
+@pytest.fixture
+def shared_server(
+    shared_vllm_server: Shared[VllmServer], request: pytest.FixtureRequest
+) -> Iterator[VllmServer]:
+    """The module's shared server, alive: a test that finds it ended by an earlier test
+    fails at once, naming that test, since its failure is a consequence."""
+    with shared_vllm_server.used_by(request.node.nodeid):
+        yield shared_vllm_server.value
 
 
 @pytest.fixture
@@ -51,9 +65,10 @@ def fresh_server(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., Vll
     started: list[VllmServer] = []
 
     def start(env: Mapping[str, str] | None = None) -> VllmServer:
-        server = VllmServer.start(tiny_model, tmp_path / f"vllm-{len(started)}", env)
+        workdir = tmp_path / f"vllm-{len(started)}"
+        server = start_ready(lambda: VllmServer.start(tiny_model, workdir, env), READY_TIMEOUT)
         started.append(server)
-        asyncio.run(server.wait_ready())
+        explain.witness_this_test(f"vLLM server {server.url}", server.account)
         return server
 
     try:

@@ -8,26 +8,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 import aiohttp
+import explain
 import psutil
 import pytest
-from e2e.harness import FAST
+from e2e.harness import FAST, watchdog_account
+from ports import free_port, port_block
 
 from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import load_config, merge_layers
-from omni_watchdog.demo import free_port, wait_for
+from omni_watchdog.demo import wait_for
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.log import configure_logging
 from omni_watchdog.process_start import start_time
@@ -57,6 +61,18 @@ REAL_FAST = merge_layers(
 )
 
 
+def worker_cpu() -> str:
+    """The CPU this test worker's vLLM workers run on (`VLLM_CPU_OMP_THREADS_BIND`).
+
+    vLLM binds every CPU worker to the same core by default (core 0 of two here), so the
+    servers of two test workers fought over one core while the other idled: CI saw a
+    SIGKILLed worker still being torn down there 40 s later. Each test worker's servers
+    get a core of their own, as two servers sharing a host would be given."""
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    cpus = sorted(os.sched_getaffinity(0))
+    return str(cpus[index % len(cpus)])
+
+
 def launch(
     argv: list[str], workdir: Path, env: Mapping[str, str]
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
@@ -71,6 +87,11 @@ def launch(
         "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache"),
         "TMPDIR": str(scratch),
+        # vLLM draws its internal ports (ZMQ routes, its coordinator, distributed init)
+        # upward from here: ports of this test worker's own, never the kernel's ephemeral
+        # ones, which any outgoing connection can take before vLLM binds them.
+        "VLLM_PORT": str(port_block()),
+        "VLLM_CPU_OMP_THREADS_BIND": worker_cpu(),
         "OMNI_WATCHDOG_ADMIN_TOKEN": ADMIN_TOKEN,
         "OMNI_WATCHDOG_HEARTBEAT_INTERVAL": "0.5",
         **env,
@@ -104,6 +125,25 @@ class StartedTree:
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
+
+    def account(self) -> str:
+        """What a failed test prints of this tree: how its root ended, every process
+        recorded, the log's tail."""
+        code = self.process.poll()
+        root = "running" if code is None else f"exited with {code}"
+        table = explain.process_table(self.seen, start_time)
+        return (
+            f"root pid {self.process.pid} {root}; processes:\n{table}\nlog tail:\n{self.log_tail()}"
+        )
+
+    def exited(self, what: str) -> NoReturn:
+        """Fail a start whose `what` exited, with its log; a port taken meanwhile is
+        `PortTaken`, which a start retries once."""
+        tail = self.log_tail()
+        message = f"{what} exited with {self.process.returncode}:\n{tail}"
+        if PORT_TAKEN in tail:
+            raise PortTaken(message)
+        pytest.fail(message)
 
     def tree(self) -> list[psutil.Process]:
         """The root and its live descendants, each remembered for the clean-up."""
@@ -222,7 +262,7 @@ class VllmServer(StartedTree):
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    pytest.fail(f"vllm exited with {self.process.returncode}:\n{self.log_tail()}")
+                    self.exited("vllm")
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                     async with session.get(
                         self.url + "/health", timeout=aiohttp.ClientTimeout(total=2)
@@ -232,6 +272,90 @@ class VllmServer(StartedTree):
                             return
                 await asyncio.sleep(0.5)
         pytest.fail(f"vllm not ready in {timeout:g}s:\n{self.log_tail()}")
+
+
+# What vLLM logs when a port it was given or chose was bound by someone else first.
+PORT_TAKEN = "Address already in use"
+
+
+class PortTaken(Exception):
+    """A server that exited at start because a port was taken before it bound it."""
+
+
+class Startable(Protocol):
+    def stop(self) -> None: ...
+
+    async def wait_ready(self, timeout: float) -> None: ...
+
+
+Started = TypeVar("Started", bound=Startable)
+
+
+def start_ready(start: Callable[[], Started], timeout: float) -> Started:
+    """`start()`, ready, or the test fails with the log. One real server starts at a time
+    across the test workers (the lock): two starting at once on two cores starved each
+    other and whatever ran beside them. A start that met a port taken meanwhile is tried
+    once more, with fresh ports, and says so in the test log."""
+    with _one_start_at_a_time():
+        try:
+            return _ready(start(), timeout)
+        except PortTaken as taken:
+            warnings.warn(f"starting once more with fresh ports: {taken}", stacklevel=2)
+        try:
+            return _ready(start(), timeout)
+        except PortTaken as taken:
+            pytest.fail(f"a port was taken again at the second start: {taken}")
+
+
+def _ready(server: Started, timeout: float) -> Started:
+    """`server` once ready; stopped, whatever is left of it, if it never is."""
+    try:
+        asyncio.run(server.wait_ready(timeout))
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@contextlib.contextmanager
+def _one_start_at_a_time() -> Iterator[None]:
+    """Hold the lock of this test run that real servers start under."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+    path = Path(tempfile.gettempdir()) / f"omni-watchdog-tests-{run}.start-lock"
+    with path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+Value = TypeVar("Value")
+
+
+@dataclass
+class Shared(Generic[Value]):
+    """A server that the tests of a module share (`value`, what they are given of it), and
+    the test during which it ended, if one did."""
+
+    value: Value
+    server: VllmServer
+    ended_during: str | None = None
+
+    @contextlib.contextmanager
+    def used_by(self, test: str) -> Iterator[None]:
+        """`test` uses the server: it fails at once if an earlier test ended it (its failure
+        would only be a consequence), and is named if the server ends while it runs."""
+        if self.ended_during is not None or self.server.process.poll() is not None:
+            pytest.fail(
+                f"the shared server ended during {self.ended_during or 'no test'}: this"
+                f" test's failure is a consequence of that one\n{self.server.account()}"
+            )
+        try:
+            yield
+        finally:
+            if self.server.process.poll() is not None:
+                self.ended_during = test
 
 
 def installed_python(stamp: Path, python: Path, what: str) -> Path:
@@ -290,6 +414,7 @@ async def watching(
         ),
     )
     watchdog = await build_watchdog(config, clock=SystemClock())
+    explain.witness_this_test(f"the watchdog of {server.url}", lambda: watchdog_account(watchdog))
     await watchdog.start()
     try:
         # Warm, and its processes recorded: a test that kills one right after means the

@@ -27,16 +27,50 @@ V030_CONFIG = EXAMPLES / "qwen2_5_omni_0.30.yaml"
 CONFIGS = {"0.11": EXAMPLES / "qwen2_5_omni_0.11.yaml", "0.30": V030_CONFIG}
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float,
+    interval: float = 0.05,
+    seen: Callable[[], object] | None = None,
+) -> Any:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds,
+    saying what `seen()` shows then."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
+            shown = "" if seen is None else f"; seen: {seen()}"
+            raise AssertionError(f"condition not met within {timeout} s{shown}")
         time.sleep(interval)
+
+
+def main_thread_status(pid: int) -> dict[str, str]:
+    """`/proc/<pid>/status`: what the kernel says of the process's main thread."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
+def wait_delivered(pid: int, *signals: signal.Signals, timeout: float = 10.0) -> None:
+    """Wait until none of `signals` is pending to the process or its main thread any more:
+    each was delivered, or dropped as ignored."""
+
+    def pending() -> list[str]:
+        status = main_thread_status(pid)
+        mask = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
+        return [each.name for each in signals if mask >> (each - 1) & 1]
+
+    wait_until(
+        lambda: not pending(),
+        timeout,
+        seen=lambda: f"{pending()} pending, state {main_thread_status(pid)['State']}",
+    )
+
+
+def voluntary_switches(pid: int) -> int:
+    """How many times the process's main thread has blocked and been scheduled again."""
+    return int(main_thread_status(pid)["voluntary_ctxt_switches"])
 
 
 class Answer:
