@@ -655,12 +655,20 @@ def test_status_watch_refreshes_until_ctrl_c(watchdog: FakeWatchdog) -> None:
             signal.raise_signal(signal.SIGINT)
             await asyncio.Event().wait()
 
-    result = invoke(
-        ["status", "--watch", "5"],
-        watchdog=watchdog,
-        terminal=True,
-        sleep=interrupt_on_the_second_wait,
-    )
+    # As on a terminal: Python's own SIGINT handler, which asyncio.run replaces with one
+    # that cancels the command. A test run started in the background by a shell without
+    # job control inherits SIGINT ignored, and Python keeps it so: the Ctrl+C was then
+    # lost and the watch waited 300 s.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        result = invoke(
+            ["status", "--watch", "5"],
+            watchdog=watchdog,
+            terminal=True,
+            sleep=interrupt_on_the_second_wait,
+        )
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
     assert result.code == EXIT_OK
     assert waits == [5.0, 5.0]

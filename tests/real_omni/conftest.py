@@ -52,7 +52,9 @@ def shared_omni_server(
 ) -> Iterator[Shared[OmniServer]]:
     """One ready server for the tests of a module that do not harm it."""
     workdir = tmp_path_factory.mktemp("shared-omni")
-    server = start_ready(lambda: start_omni_server(omni_model, workdir)[0], READY_TIMEOUT)
+    server = start_ready(
+        lambda: start_omni_server(omni_model, workdir)[0], READY_TIMEOUT, alone=True
+    )
     faults = Faults(workdir / FAULTS_DIR)
     try:
         with explain.witnessed("the shared vLLM-Omni server", server.account):
@@ -78,7 +80,9 @@ def fresh_omni(omni_model: Path, tmp_path: Path) -> Iterator[Callable[..., OmniS
 
     def start(env: Mapping[str, str] | None = None) -> OmniServer:
         workdir = tmp_path / f"omni-{len(started)}"
-        server = start_ready(lambda: start_omni_server(omni_model, workdir, env)[0], READY_TIMEOUT)
+        server = start_ready(
+            lambda: start_omni_server(omni_model, workdir, env)[0], READY_TIMEOUT, alone=True
+        )
         faults = Faults(workdir / FAULTS_DIR)
         started.append(server)
         explain.witness_this_test(f"vLLM-Omni server {server.url}", server.account)

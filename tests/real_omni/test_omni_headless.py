@@ -67,7 +67,9 @@ def deployment(omni_model: Path, tmp_path: Path, receivers: dict[int, int]) -> I
     }
     workdir = tmp_path / "deployment"
     started = start_ready(
-        lambda: start_deployment(omni_model, workdir, stage_env=stage_env), READY_TIMEOUT
+        lambda: start_deployment(omni_model, workdir, stage_env=stage_env),
+        READY_TIMEOUT,
+        alone=True,
     )
     try:
         with explain.witnessed("the deployment", started.account):

@@ -41,7 +41,7 @@ def shared_vllm_server(
 ) -> Iterator[Shared[VllmServer]]:
     """One ready server for the tests of a module that do not harm it."""
     workdir = tmp_path_factory.mktemp("shared-vllm")
-    server = start_ready(lambda: VllmServer.start(tiny_model, workdir), READY_TIMEOUT)
+    server = start_ready(lambda: VllmServer.start(tiny_model, workdir), READY_TIMEOUT, alone=False)
     try:
         with explain.witnessed("the shared vLLM server", server.account):
             yield Shared(server, server)
@@ -66,7 +66,9 @@ def fresh_server(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., Vll
 
     def start(env: Mapping[str, str] | None = None) -> VllmServer:
         workdir = tmp_path / f"vllm-{len(started)}"
-        server = start_ready(lambda: VllmServer.start(tiny_model, workdir, env), READY_TIMEOUT)
+        server = start_ready(
+            lambda: VllmServer.start(tiny_model, workdir, env), READY_TIMEOUT, alone=False
+        )
         started.append(server)
         explain.witness_this_test(f"vLLM server {server.url}", server.account)
         return server

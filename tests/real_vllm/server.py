@@ -291,12 +291,13 @@ class Startable(Protocol):
 Started = TypeVar("Started", bound=Startable)
 
 
-def start_ready(start: Callable[[], Started], timeout: float) -> Started:
-    """`start()`, ready, or the test fails with the log. One real server starts at a time
-    across the test workers (the lock): two starting at once on two cores starved each
-    other and whatever ran beside them. A start that met a port taken meanwhile is tried
-    once more, with fresh ports, and says so in the test log."""
-    with _one_start_at_a_time():
+def start_ready(start: Callable[[], Started], timeout: float, *, alone: bool) -> Started:
+    """`start()`, ready, or the test fails with the log. A start `alone` (a vLLM-Omni
+    server: three stages, six processes, two minutes on two cores) holds the run's lock:
+    no two of them start at once across the test workers, where they starved each other
+    and whatever ran beside them. A start that met a port taken meanwhile is tried once
+    more, with fresh ports, and says so in the test log."""
+    with _one_start_at_a_time() if alone else contextlib.nullcontext():
         try:
             return _ready(start(), timeout)
         except PortTaken as taken:
