@@ -302,9 +302,7 @@ def test_a_server_broken_before_the_watchdog_came_gets_its_incident(tmp_path: Pa
         async with server_and_watchdog(
             tmp_path,
             ["0:stage-dead-503"],
-            # The request now goes out beside the capture's stack dumps, which load both
-            # cores: the simulator's answer gets the time a loaded machine needs.
-            {"detection": {"startup_timeout": "5s"}, "ladder": {"admin_timeout": "5s"}},
+            {"detection": {"startup_timeout": "5s"}},
             break_stage_one,
         ) as (watchdog, _):
             incident = await incident_done(watchdog, 60)
@@ -333,13 +331,8 @@ def test_a_full_disk_never_holds_the_ladder_back(tmp_path: Path) -> None:
     state.mkdir(mode=0o700)
     full_device(state / "journal.jsonl")
 
-    # The disk is what is tested, not the admin endpoint's speed: the capture's stack dumps
-    # run beside the shutdown request, and on two busy cores the server's answer has taken
-    # longer than FAST's 0.5 s.
-    patient = merge_layers(FAST, {"ladder": {"admin_timeout": "5s"}})
-
     async def scenario() -> None:
-        async with attached(tmp_path, ["1:stage-dead-503"], "0.30", "enforce", patient) as (
+        async with attached(tmp_path, ["1:stage-dead-503"], "0.30", "enforce", FAST) as (
             watchdog,
             server,
         ):
