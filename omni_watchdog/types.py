@@ -61,6 +61,59 @@ class ProcessStatus(str, enum.Enum):
     EXITED = "exited"
 
 
+class SilenceCause(str, enum.Enum):
+    """What a stage is doing while it is silent, read without its help (docs/design.md,
+    Why a stage is silent)."""
+
+    COMPILING = "compiling"
+    WAITING_ON_CHILD = "waiting_on_child"
+    LOADING = "loading"
+    COMPUTING = "computing"
+    DEVICE_WAIT = "device_wait"
+    LOCK_OR_QUEUE_WAIT = "lock_or_queue_wait"
+    SPINNING = "spinning"
+    STOPPED = "stopped"
+    STARVED = "starved"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class ThreadActivity:
+    """One thread as the kernel shows it: its state letter (`R`, `S`, `D`, `T`, `t`, `Z`),
+    the kernel function it sleeps in ("" where not shown), its CPU time and its time spent
+    runnable waiting for a CPU, and its Python frames, innermost first, where its stack was
+    read (`function (file)`)."""
+
+    tid: int
+    state: str
+    wait_channel: str
+    cpu_seconds: float
+    cpu_wait_seconds: float
+    frames: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChildActivity:
+    """A descendant of a stage process: its command name, state letter and CPU time."""
+
+    pid: int
+    name: str
+    state: str
+    cpu_seconds: float
+
+
+@dataclass(frozen=True)
+class ProcessActivity:
+    """One reading of what a stage process and its descendants are doing, at `time`
+    (monotonic); `stacks_read` says whether its threads' frames were sampled."""
+
+    pid: int
+    time: float
+    threads: tuple[ThreadActivity, ...]
+    children: tuple[ChildActivity, ...] = ()
+    stacks_read: bool = False
+
+
 class SpanOutcome(str, enum.Enum):
     """How the request a stage span covers ended at that stage."""
 

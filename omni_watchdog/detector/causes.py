@@ -1,0 +1,294 @@
+"""Why a silent stage is silent: two readings of its processes in, a cause out, no I/O.
+
+A silence is not a hang (docs/design.md, Why a stage is silent). What a stage process is
+doing shows from outside without its help: its threads' kernel states, wait channels and
+CPU times; its descendants (a compiler child burning CPU is work done for it); and, where
+they were sampled, its Python frames. Each reading is compared with the one before it, so
+a cause also says whether the work advances: a compiler child gaining CPU time does, one
+that was stopped does not, and neither does a thread busy in the same frames sample after
+sample.
+
+A finding names its cause, whether the work advances (`working`), and the readings behind
+it in words an operator can check ("g++ pid 123 at 98 % CPU").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from omni_watchdog.types import ChildActivity, ProcessActivity, SilenceCause, ThreadActivity
+
+# A thread or child that used a CPU at least this share of the time between two readings
+# is working, not waiting (the detector's RUNNING_SHARE, measured on the real vLLM-Omni: a
+# worker blocked in its forward used 1 % of a core through 11 s of silence).
+WORKING_SHARE = 0.1
+# A thread that waited, runnable, for a CPU at least this share of the time between two
+# readings, and longer than it ran, was starved by its neighbours.
+STARVED_SHARE = 0.1
+# Command names (as the kernel keeps them, 15 characters at most) of the programs a JIT
+# build runs: host compilers and linkers, and CUDA's compiler drivers and assemblers.
+COMPILER_NAMES = frozenset(
+    {
+        "as",
+        "c++",
+        "cc",
+        "cc1",
+        "cc1plus",
+        "cicc",
+        "clang",
+        "clang++",
+        "collect2",
+        "fatbinary",
+        "g++",
+        "gcc",
+        "ld",
+        "ld.gold",
+        "ld.lld",
+        "ninja",
+        "nvcc",
+        "nvlink",
+        "ptxas",
+    }
+)
+# Frames (file paths and function names, matched as parts) that say what a thread does.
+COMPILE_FRAMES = (
+    "torch/_dynamo/",
+    "torch/_inductor/",
+    "triton/compiler/",
+    "triton/runtime/jit",
+    "torch/utils/cpp_extension",
+    "deep_gemm/jit",
+    "flashinfer/jit",
+)
+LOAD_FRAMES = (
+    "safetensors",
+    "model_loader",
+    "load_weights",
+    "load_state_dict",
+    "from_pretrained",
+)
+DEVICE_FRAMES = (
+    "synchronize",
+    "torch/distributed/distributed_c10d",
+    "nccl",
+    "Tensor.item",
+)
+# Kernel functions a thread sleeps in while it waits on a child: wait(2) itself, or a read
+# of the child's output (names differ between kernel versions).
+CHILD_WAIT_CHANNELS = frozenset(
+    {"do_wait", "kernel_wait4", "kernel_waitid", "pipe_read", "anon_pipe_read", "pipe_wait"}
+)
+# The stopped states: T (SIGSTOP) and t (a tracer's stop).
+_STOPPED_STATES = frozenset("Tt")
+
+
+@dataclass(frozen=True)
+class CauseFinding:
+    """What one stage process (or the stage, its processes combined) is doing: the cause,
+    whether the work visibly advances between the two readings, and the readings behind it."""
+
+    cause: SilenceCause
+    working: bool
+    detail: str
+
+
+# The order in which the findings of a stage's processes explain the stage: a stopped
+# process stops the stage whatever the others do; work for it comes next (the engine
+# waits on its queue while its worker compiles); then what is wrong with a busy process,
+# then the host's doing, then plain waits.
+_STAGE_ORDER = (
+    SilenceCause.STOPPED,
+    SilenceCause.COMPILING,
+    SilenceCause.LOADING,
+    SilenceCause.WAITING_ON_CHILD,
+    SilenceCause.COMPUTING,
+    SilenceCause.SPINNING,
+    SilenceCause.STARVED,
+    SilenceCause.DEVICE_WAIT,
+    SilenceCause.UNKNOWN,
+    SilenceCause.LOCK_OR_QUEUE_WAIT,
+)
+
+
+def process_cause(before: ProcessActivity, after: ProcessActivity) -> CauseFinding:
+    """What the process read at `before` and again at `after` is doing."""
+    interval = after.time - before.time
+    if interval <= 0:
+        return CauseFinding(SilenceCause.UNKNOWN, False, f"pid {after.pid}: one reading only")
+    stopped = [t for t in after.threads if t.state in _STOPPED_STATES]
+    if stopped:
+        return CauseFinding(
+            SilenceCause.STOPPED, False, f"pid {after.pid} stopped ({stopped[0].state})"
+        )
+    earlier = {t.tid: t for t in before.threads}
+    held = [t for t in after.threads if t.state == "D" and earlier.get(t.tid, t).state == "D"]
+    if held and not _busy(after.threads, earlier, interval):
+        where = held[0].wait_channel or "an unnamed kernel wait"
+        return CauseFinding(
+            SilenceCause.STOPPED,
+            False,
+            f"pid {after.pid} in uninterruptible sleep (D) in {where} for {interval:.1f}s",
+        )
+    child = _child_finding(before, after, interval)
+    if child is not None:
+        return child
+    return _own_finding(before, after, earlier, interval)
+
+
+def stage_cause(findings: Iterable[CauseFinding]) -> CauseFinding:
+    """The cause of a stage from the findings of its processes (see `_STAGE_ORDER`)."""
+    ranked = sorted(findings, key=lambda finding: _STAGE_ORDER.index(finding.cause))
+    if not ranked:
+        return CauseFinding(SilenceCause.UNKNOWN, False, "no process of the stage read")
+    return ranked[0]
+
+
+def _child_finding(
+    before: ProcessActivity, after: ProcessActivity, interval: float
+) -> CauseFinding | None:
+    """A descendant working for the process, or one it waits on that does not advance."""
+    earlier = {c.pid: c for c in before.children}
+    gains = {c.pid: c.cpu_seconds - _child_cpu(earlier.get(c.pid)) for c in after.children}
+    working = [c for c in after.children if gains[c.pid] >= WORKING_SHARE * interval]
+    if working:
+        compilers = [c for c in working if c.name in COMPILER_NAMES]
+        top = max(compilers or working, key=lambda c: gains[c.pid])
+        share = gains[top.pid] / interval
+        cause = SilenceCause.COMPILING if compilers else SilenceCause.WAITING_ON_CHILD
+        more = f" and {len(working) - 1} more" if len(working) > 1 else ""
+        return CauseFinding(cause, True, f"{top.name} pid {top.pid} at {share:.0%} CPU{more}")
+    if not after.children or not _waits_on_children(after):
+        return None
+    stopped = [c for c in after.children if c.state in _STOPPED_STATES]
+    child = stopped[0] if stopped else after.children[0]
+    how = f"stopped ({child.state})" if stopped else "no CPU time gained"
+    return CauseFinding(
+        SilenceCause.WAITING_ON_CHILD,
+        False,
+        f"pid {after.pid} waits on {child.name} pid {child.pid}: {how} in {interval:.1f}s",
+    )
+
+
+def _own_finding(
+    before: ProcessActivity,
+    after: ProcessActivity,
+    earlier: dict[int, ThreadActivity],
+    interval: float,
+) -> CauseFinding:
+    """What the process's own threads do: starved, busy (in which frames), or asleep."""
+    starved = _starved_thread(after.threads, earlier, interval)
+    if starved is not None:
+        thread, waited = starved
+        return CauseFinding(
+            SilenceCause.STARVED,
+            False,
+            f"pid {after.pid}: thread {thread.tid} waited {waited:.1f}s of {interval:.1f}s"
+            " for a CPU",
+        )
+    busy = _busy(after.threads, earlier, interval)
+    if busy:
+        return _busy_finding(before, after, busy, interval)
+    main = next((t for t in after.threads if t.tid == after.pid), None)
+    frames = main.frames if main is not None else ()
+    if _matches(frames, DEVICE_FRAMES):
+        return CauseFinding(
+            SilenceCause.DEVICE_WAIT,
+            False,
+            f"pid {after.pid} asleep in {_named(frames, DEVICE_FRAMES)}",
+        )
+    where = frames[0] if frames else (main.wait_channel if main and main.wait_channel else "")
+    return CauseFinding(
+        SilenceCause.LOCK_OR_QUEUE_WAIT,
+        False,
+        f"pid {after.pid} asleep{f' in {where}' if where else ''}, nothing working for it",
+    )
+
+
+def _busy_finding(
+    before: ProcessActivity,
+    after: ProcessActivity,
+    busy: Sequence[tuple[ThreadActivity, float]],
+    interval: float,
+) -> CauseFinding:
+    thread, used = busy[0]
+    share = f"{used / interval:.0%} CPU"
+    if not after.stacks_read:
+        return CauseFinding(
+            SilenceCause.UNKNOWN,
+            False,
+            f"pid {after.pid}: thread {thread.tid} at {share}, its stack not read",
+        )
+    for markers, cause in (
+        (COMPILE_FRAMES, SilenceCause.COMPILING),
+        (LOAD_FRAMES, SilenceCause.LOADING),
+    ):
+        found = [t for t, _ in busy if _matches(t.frames, markers)]
+        if found:
+            frame = _named(found[0].frames, markers)
+            return CauseFinding(cause, True, f"pid {after.pid} at {share} in {frame}")
+    if _matches(thread.frames, DEVICE_FRAMES):
+        frame = _named(thread.frames, DEVICE_FRAMES)
+        return CauseFinding(
+            SilenceCause.DEVICE_WAIT, False, f"pid {after.pid} at {share} in {frame}"
+        )
+    earlier = {t.tid: t for t in before.threads}
+    previous = earlier.get(thread.tid)
+    where = thread.frames[0] if thread.frames else "no Python frame"
+    if before.stacks_read and previous is not None and previous.frames == thread.frames:
+        return CauseFinding(
+            SilenceCause.SPINNING,
+            False,
+            f"pid {after.pid}: thread {thread.tid} at {share} in the same frames"
+            f" {interval:.1f}s apart: {where}",
+        )
+    return CauseFinding(
+        SilenceCause.COMPUTING, True, f"pid {after.pid} at {share}, its frames moving: {where}"
+    )
+
+
+def _busy(
+    threads: Iterable[ThreadActivity], earlier: dict[int, ThreadActivity], interval: float
+) -> list[tuple[ThreadActivity, float]]:
+    """The threads that used a CPU for `WORKING_SHARE` of the interval, busiest first."""
+    used = [(t, t.cpu_seconds - _cpu(earlier.get(t.tid))) for t in threads]
+    busy = [(t, gained) for t, gained in used if gained >= WORKING_SHARE * interval]
+    return sorted(busy, key=lambda pair: -pair[1])
+
+
+def _starved_thread(
+    threads: Iterable[ThreadActivity], earlier: dict[int, ThreadActivity], interval: float
+) -> tuple[ThreadActivity, float] | None:
+    """A thread that waited for a CPU a share of the interval, and longer than it ran."""
+    for thread in threads:
+        previous = earlier.get(thread.tid)
+        if previous is None:
+            continue
+        waited = thread.cpu_wait_seconds - previous.cpu_wait_seconds
+        ran = thread.cpu_seconds - previous.cpu_seconds
+        if waited >= STARVED_SHARE * interval and waited > ran:
+            return thread, waited
+    return None
+
+
+def _waits_on_children(activity: ProcessActivity) -> bool:
+    """A thread of the process sleeps in wait(2) or on a pipe: how a parent waits on a
+    child it started (subprocess.run, a compiler's output read through a pipe)."""
+    return any(t.wait_channel in CHILD_WAIT_CHANNELS for t in activity.threads)
+
+
+def _matches(frames: Sequence[str], markers: Sequence[str]) -> bool:
+    return any(marker in frame for frame in frames for marker in markers)
+
+
+def _named(frames: Sequence[str], markers: Sequence[str]) -> str:
+    """The innermost frame that matches one of `markers`."""
+    return next(frame for frame in frames if any(marker in frame for marker in markers))
+
+
+def _cpu(thread: ThreadActivity | None) -> float:
+    return thread.cpu_seconds if thread is not None else 0.0
+
+
+def _child_cpu(child: ChildActivity | None) -> float:
+    return child.cpu_seconds if child is not None else 0.0

@@ -1,0 +1,182 @@
+"""What a stage process is doing, read from outside: its threads, its descendants, and
+(only while its stage is silent) its Python stacks.
+
+Everything here reads /proc or runs py-spy once, bounded; nothing keeps state. The
+detector compares two readings (`detector/causes.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from omni_watchdog import process_start
+from omni_watchdog.types import ChildActivity, ProcessActivity, ThreadActivity
+
+# Bounds on one reading: a process with more threads, or a tree with more descendants,
+# is read in part (the first by id), never without end.
+MAX_THREADS_READ = 256
+MAX_CHILDREN_READ = 64
+# Python frames kept per thread, innermost first: enough for the markers of a compile, a
+# load or a device wait, which sit near the top of the stack.
+MAX_FRAMES_KEPT = 48
+# Fields of /proc/<pid>/stat after the command name: state 0, ppid 1, utime 11, stime 12.
+_STATE, _PPID, _UTIME, _STIME = 0, 1, 11, 12
+
+StackRunner = Callable[[list[str], float], Awaitable[tuple[int, str]]]
+
+
+class StackError(ValueError):
+    """py-spy's output could not be read as its JSON dump, with the reason."""
+
+
+def read_activity(
+    pid: int,
+    now: float,
+    proc: Path = process_start.PROC,
+    stacks: Mapping[int, tuple[str, ...]] | None = None,
+) -> ProcessActivity | None:
+    """One reading of `pid`'s threads and descendants at `now`; None once it is gone.
+    `stacks`, by thread id, where they were sampled."""
+    threads = _threads(pid, proc, stacks or {})
+    if not threads:
+        return None
+    return ProcessActivity(
+        pid, now, threads, _descendants(pid, proc), stacks_read=stacks is not None
+    )
+
+
+async def sample_stacks(
+    py_spy: str, pid: int, timeout: float, run: StackRunner
+) -> dict[int, tuple[str, ...]]:
+    """The Python frames of each thread of `pid`, innermost first, without pausing it
+    (py-spy's non-blocking dump: a sample may be torn, never the stage held)."""
+    code, output = await run(
+        [py_spy, "dump", "--json", "--nonblocking", "--pid", str(pid)], timeout
+    )
+    if code != 0:
+        raise StackError(f"py-spy exited with {code}: {output.strip()[-200:]}")
+    return parse_py_spy_json(output)
+
+
+def parse_py_spy_json(text: str) -> dict[int, tuple[str, ...]]:
+    """py-spy's `dump --json` as {os thread id: ("function (file)", …)}, innermost first."""
+    try:
+        document: Any = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise StackError(f"not JSON: {error}") from None
+    if not isinstance(document, list):
+        raise StackError("not a list of threads")
+    stacks: dict[int, tuple[str, ...]] = {}
+    for thread in document:
+        if not isinstance(thread, dict):
+            raise StackError("a thread that is not an object")
+        tid = thread.get("os_thread_id")
+        frames = thread.get("frames")
+        if not isinstance(tid, int) or not isinstance(frames, list):
+            raise StackError("a thread without os_thread_id or frames")
+        stacks[tid] = tuple(
+            f"{frame.get('name', '?')} ({frame.get('filename', '?')})"
+            for frame in frames[:MAX_FRAMES_KEPT]
+            if isinstance(frame, dict)
+        )
+    return stacks
+
+
+def _threads(
+    pid: int, proc: Path, stacks: Mapping[int, tuple[str, ...]]
+) -> tuple[ThreadActivity, ...]:
+    tasks = proc / str(pid) / "task"
+    try:
+        tids = sorted(int(name) for name in os.listdir(tasks))
+    except (OSError, ValueError):
+        return ()
+    threads = []
+    for tid in tids[:MAX_THREADS_READ]:
+        directory = tasks / str(tid)
+        fields = _stat_fields(directory)
+        run_and_wait = _schedstat(directory)
+        if fields is None or run_and_wait is None:
+            continue  # the thread ended between the listing and the read
+        threads.append(
+            ThreadActivity(
+                tid,
+                fields[_STATE],
+                _wait_channel(directory),
+                run_and_wait[0],
+                run_and_wait[1],
+                stacks.get(tid, ()),
+            )
+        )
+    return tuple(threads)
+
+
+def _descendants(pid: int, proc: Path) -> tuple[ChildActivity, ...]:
+    """Every descendant of `pid`, nearest first, from one pass over the process table."""
+    children: dict[int, list[tuple[int, str, list[str]]]] = {}
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return ()
+    for name in names:
+        if not name.isdigit():
+            continue
+        read = _stat_with_name(proc / name)
+        if read is not None:
+            command, fields = read
+            children.setdefault(int(fields[_PPID]), []).append((int(name), command, fields))
+    found: list[ChildActivity] = []
+    parents = [pid]
+    while parents and len(found) < MAX_CHILDREN_READ:
+        below: list[int] = []
+        for parent in parents:
+            for child, command, fields in sorted(children.get(parent, [])):
+                ticks = int(fields[_UTIME]) + int(fields[_STIME])
+                found.append(
+                    ChildActivity(child, command, fields[_STATE], ticks / process_start.CLOCK_TICKS)
+                )
+                below.append(child)
+        parents = below
+    return tuple(found[:MAX_CHILDREN_READ])
+
+
+def _stat_fields(directory: Path) -> list[str] | None:
+    read = _stat_with_name(directory)
+    return read[1] if read is not None else None
+
+
+def _stat_with_name(directory: Path) -> tuple[str, list[str]] | None:
+    """The command name and the fields after it of a /proc stat file; None if unreadable."""
+    try:
+        stat = (directory / "stat").read_bytes()
+    except OSError:
+        return None
+    # The command name, in parentheses, may itself hold spaces and parentheses.
+    opening, closing = stat.find(b"("), stat.rfind(b")")
+    if opening < 0 or closing < opening:
+        return None
+    fields = stat[closing + 2 :].decode(errors="replace").split()
+    if len(fields) <= _STIME:
+        return None
+    return stat[opening + 1 : closing].decode(errors="replace"), fields
+
+
+def _schedstat(directory: Path) -> tuple[float, float] | None:
+    """Seconds on a CPU and seconds runnable waiting for one, to the ns."""
+    try:
+        fields = (directory / "schedstat").read_text().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _wait_channel(directory: Path) -> str:
+    try:
+        channel = (directory / "wchan").read_text().strip()
+    except OSError:
+        return ""
+    # The kernel writes 0 for a thread that is not waiting, and where it hides channels.
+    return "" if channel == "0" else channel

@@ -1,0 +1,253 @@
+"""Why a silent stage process is silent, from two readings of it: a table per cause."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from omni_watchdog.detector.causes import CauseFinding, process_cause, stage_cause
+from omni_watchdog.types import ChildActivity, ProcessActivity, SilenceCause, ThreadActivity
+
+PID = 100
+INTERVAL = 2.0
+INDUCTOR = "codegen (/venv/lib/python3.11/site-packages/torch/_inductor/codegen/cpp.py)"
+FORWARD = "forward (/models/tiny.py)"
+STEP = "execute_model (/venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_worker.py)"
+SYNC = "synchronize (/venv/lib/python3.11/site-packages/torch/cuda/__init__.py)"
+SAFETENSORS = "load_file (/venv/lib/python3.11/site-packages/safetensors/torch.py)"
+QUEUE_WAIT = "acquire_read (/venv/lib/python3.11/site-packages/vllm/shm_broadcast.py)"
+
+
+@dataclass(frozen=True)
+class Thread:
+    """A thread's change between the two readings."""
+
+    state: str = "S"
+    wchan: str = "futex_do_wait"
+    ran: float = 0.0
+    waited: float = 0.0
+    frames: tuple[str, ...] = ()
+    frames_before: tuple[str, ...] | None = None  # None: the same as now
+    tid: int = PID
+
+
+@dataclass(frozen=True)
+class Child:
+    name: str
+    ran: float
+    state: str = "R"
+    new: bool = False
+    pid: int = 200
+
+
+def readings(
+    threads: tuple[Thread, ...] = (Thread(),),
+    children: tuple[Child, ...] = (),
+    stacks: bool = False,
+) -> tuple[ProcessActivity, ProcessActivity]:
+    """Two readings INTERVAL apart in which each thread and child did what it says."""
+    before_threads, after_threads = [], []
+    for thread in threads:
+        frames_before = thread.frames if thread.frames_before is None else thread.frames_before
+        before_threads.append(
+            ThreadActivity(thread.tid, thread.state, thread.wchan, 10.0, 1.0, frames_before)
+        )
+        after_threads.append(
+            ThreadActivity(
+                thread.tid,
+                thread.state,
+                thread.wchan,
+                10.0 + thread.ran,
+                1.0 + thread.waited,
+                thread.frames,
+            )
+        )
+    before_children = tuple(ChildActivity(c.pid, c.name, "R", 5.0) for c in children if not c.new)
+    after_children = tuple(
+        ChildActivity(c.pid, c.name, c.state, (0.0 if c.new else 5.0) + c.ran) for c in children
+    )
+    return (
+        ProcessActivity(PID, 50.0, tuple(before_threads), before_children, stacks),
+        ProcessActivity(PID, 50.0 + INTERVAL, tuple(after_threads), after_children, stacks),
+    )
+
+
+CASES = {
+    "a SIGSTOPped stage process is stopped, whatever else it does": (
+        readings((Thread(state="T", wchan="do_signal_stop"),), (Child("g++", 2.0),)),
+        SilenceCause.STOPPED,
+        False,
+        "pid 100 stopped (T)",
+    ),
+    "a thread held in D for the whole interval is stopped there": (
+        readings((Thread(state="D", wchan="nv_wait_event"),)),
+        SilenceCause.STOPPED,
+        False,
+        "uninterruptible sleep (D) in nv_wait_event",
+    ),
+    "a g++ child at full CPU is a compile, advancing": (
+        readings(
+            (Thread(wchan="do_wait"),),
+            (Child("g++", 0.1, state="S"), Child("cc1plus", 1.96, pid=201)),
+        ),
+        SilenceCause.COMPILING,
+        True,
+        "cc1plus pid 201 at 98% CPU",
+    ),
+    "a ptxas child started since the last reading is a compile": (
+        readings((Thread(wchan="anon_pipe_read"),), (Child("ptxas", 1.5, new=True),)),
+        SilenceCause.COMPILING,
+        True,
+        "ptxas pid 200 at 75% CPU",
+    ),
+    "another child working for it is waited on, advancing": (
+        readings((Thread(wchan="do_wait"),), (Child("python3", 1.9),)),
+        SilenceCause.WAITING_ON_CHILD,
+        True,
+        "python3 pid 200 at 95% CPU",
+    ),
+    "a child it waits on that was stopped is work stopped": (
+        readings((Thread(wchan="do_wait"),), (Child("cc1plus", 0.0, state="T"),)),
+        SilenceCause.WAITING_ON_CHILD,
+        False,
+        "waits on cc1plus pid 200: stopped (T)",
+    ),
+    "a child it waits on that gains no CPU is no work": (
+        readings((Thread(wchan="do_wait"),), (Child("sleep", 0.0, state="S"),)),
+        SilenceCause.WAITING_ON_CHILD,
+        False,
+        "no CPU time gained",
+    ),
+    "an idle child it does not wait on is no cause: a lock wait": (
+        readings((Thread(wchan="futex_do_wait"),), (Child("resource_tracker", 0.0, state="S"),)),
+        SilenceCause.LOCK_OR_QUEUE_WAIT,
+        False,
+        "asleep in futex_do_wait",
+    ),
+    "a thread that waited for a CPU longer than it ran is starved": (
+        readings((Thread(state="R", wchan="", ran=0.3, waited=1.5),)),
+        SilenceCause.STARVED,
+        False,
+        "waited 1.5s of 2.0s for a CPU",
+    ),
+    "busy in inductor frames is compiling in-process, advancing": (
+        readings((Thread(state="R", wchan="", ran=1.9, frames=(INDUCTOR, FORWARD)),), stacks=True),
+        SilenceCause.COMPILING,
+        True,
+        "at 95% CPU in codegen",
+    ),
+    "busy in safetensors is loading": (
+        readings((Thread(state="R", wchan="", ran=1.0, frames=(SAFETENSORS,)),), stacks=True),
+        SilenceCause.LOADING,
+        True,
+        "load_file",
+    ),
+    "busy in a device synchronize is a device wait": (
+        readings((Thread(state="R", wchan="", ran=2.0, frames=(SYNC, STEP)),), stacks=True),
+        SilenceCause.DEVICE_WAIT,
+        False,
+        "synchronize",
+    ),
+    "asleep in a device synchronize is a device wait": (
+        readings((Thread(wchan="futex_do_wait", frames=(SYNC, STEP)),), stacks=True),
+        SilenceCause.DEVICE_WAIT,
+        False,
+        "asleep in synchronize",
+    ),
+    "busy in the same frames in both samples is spinning": (
+        readings((Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP)),), stacks=True),
+        SilenceCause.SPINNING,
+        False,
+        "in the same frames 2.0s apart: forward",
+    ),
+    "busy with frames that move is computing, advancing": (
+        readings(
+            (
+                Thread(
+                    state="R",
+                    wchan="",
+                    ran=2.0,
+                    frames=("matmul (/models/tiny.py)", FORWARD, STEP),
+                    frames_before=("softmax (/models/tiny.py)", FORWARD, STEP),
+                ),
+            ),
+            stacks=True,
+        ),
+        SilenceCause.COMPUTING,
+        True,
+        "its frames moving: matmul",
+    ),
+    "busy without its stack read is unknown, never work": (
+        readings((Thread(state="R", wchan="", ran=2.0),)),
+        SilenceCause.UNKNOWN,
+        False,
+        "at 100% CPU, its stack not read",
+    ),
+    "asleep on its queue with nothing working for it is a queue wait": (
+        readings((Thread(wchan="futex_do_wait", frames=(QUEUE_WAIT, STEP)),), stacks=True),
+        SilenceCause.LOCK_OR_QUEUE_WAIT,
+        False,
+        "asleep in acquire_read",
+    ),
+    "a thread other than the busy one that spins is what is read": (
+        readings(
+            (
+                Thread(tid=PID, wchan="futex_do_wait", frames=(QUEUE_WAIT,)),
+                Thread(tid=PID + 1, state="R", wchan="", ran=1.8, frames=(FORWARD,)),
+            ),
+            stacks=True,
+        ),
+        SilenceCause.SPINNING,
+        False,
+        "thread 101 at 90% CPU",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_process_cause_from_two_readings(name: str) -> None:
+    (before, after), cause, working, detail = CASES[name]
+    finding = process_cause(before, after)
+    assert (finding.cause, finding.working) == (cause, working), finding
+    assert detail in finding.detail, finding
+
+
+def test_one_reading_is_no_cause() -> None:
+    before, _ = readings()
+    assert process_cause(before, before).cause is SilenceCause.UNKNOWN
+
+
+STAGE_CASES = {
+    "the engine waits on its queue while its worker compiles: compiling": (
+        [
+            CauseFinding(SilenceCause.LOCK_OR_QUEUE_WAIT, False, "engine"),
+            CauseFinding(SilenceCause.COMPILING, True, "worker"),
+        ],
+        "worker",
+    ),
+    "one process stopped stops the stage, whatever the other does": (
+        [
+            CauseFinding(SilenceCause.COMPILING, True, "worker"),
+            CauseFinding(SilenceCause.STOPPED, False, "engine"),
+        ],
+        "engine",
+    ),
+    "a spinning worker beside a waiting engine: spinning": (
+        [
+            CauseFinding(SilenceCause.LOCK_OR_QUEUE_WAIT, False, "engine"),
+            CauseFinding(SilenceCause.SPINNING, False, "worker"),
+        ],
+        "worker",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STAGE_CASES))
+def test_a_stage_cause_from_its_processes(name: str) -> None:
+    findings, chosen = STAGE_CASES[name]
+    assert stage_cause(findings).detail == chosen
+
+
+def test_a_stage_with_no_process_read_has_an_unknown_cause() -> None:
+    assert stage_cause([]).cause is SilenceCause.UNKNOWN

@@ -1,0 +1,160 @@
+"""Reading what a process does from /proc and py-spy, on processes the tests start."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from omni_watchdog.detector.causes import process_cause
+from omni_watchdog.policy.capture import find_py_spy
+from omni_watchdog.probes.activity import (
+    StackError,
+    parse_py_spy_json,
+    read_activity,
+    sample_stacks,
+)
+from omni_watchdog.types import ProcessActivity, SilenceCause
+
+# A parent that waits on a child busy-looping: how a stage waits on a compiler.
+PARENT_OF_A_BUSY_CHILD = (
+    "import subprocess, sys;subprocess.run([sys.executable, '-c', 'while True: pass'])"
+)
+SPINNER = "def spin_here():\n    while True: pass\nspin_here()"
+DEADLINE_S = 20.0
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[bytes]]]:
+    processes: list[subprocess.Popen[bytes]] = []
+    yield processes
+    for process in processes:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def start(processes: list[subprocess.Popen[bytes]], code: str) -> int:
+    process = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    processes.append(process)
+    return process.pid
+
+
+def reading(pid: int) -> ProcessActivity:
+    activity = read_activity(pid, time.monotonic())
+    assert activity is not None
+    return activity
+
+
+def read_until_child_ran(pid: int, first: ProcessActivity, seconds: float) -> ProcessActivity:
+    """Readings until some descendant has run `seconds` more than at `first`."""
+    before = {c.pid: c.cpu_seconds for c in first.children}
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        later = reading(pid)
+        if any(c.cpu_seconds - before.get(c.pid, 0.0) >= seconds for c in later.children):
+            return later
+        time.sleep(0.05)
+    raise AssertionError(f"no descendant of {pid} ran {seconds}s in {DEADLINE_S}s")
+
+
+def test_a_parent_waiting_on_a_busy_child_is_waiting_on_work(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    pid = start(started, PARENT_OF_A_BUSY_CHILD)
+    deadline = time.monotonic() + DEADLINE_S
+    first = reading(pid)
+    while not first.children and time.monotonic() < deadline:
+        first = reading(pid)
+    assert first.children, "the child never started"
+    later = read_until_child_ran(pid, first, 0.3)
+    finding = process_cause(first, later)
+    assert finding.cause is SilenceCause.WAITING_ON_CHILD and finding.working, finding
+    assert f"pid {first.children[0].pid}" in finding.detail
+    assert [t.wait_channel for t in later.threads if t.tid == pid] == ["do_wait"]
+
+
+def test_a_parent_waiting_on_a_stopped_child_waits_on_work_stopped(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    pid = start(started, PARENT_OF_A_BUSY_CHILD)
+    deadline = time.monotonic() + DEADLINE_S
+    first = reading(pid)
+    while not first.children and time.monotonic() < deadline:
+        first = reading(pid)
+    child = first.children[0].pid
+    os.kill(child, signal.SIGSTOP)
+    stopped = reading(pid)
+    while stopped.children[0].state != "T" and time.monotonic() < deadline:
+        stopped = reading(pid)
+    # Readings a moment apart, the child stopped through both.
+    later = reading(pid)
+    while later.time - stopped.time < 0.2:
+        later = reading(pid)
+    finding = process_cause(stopped, later)
+    assert finding.cause is SilenceCause.WAITING_ON_CHILD and not finding.working, finding
+    assert f"pid {child}: stopped (T)" in finding.detail
+
+
+def test_a_stopped_process_is_stopped(started: list[subprocess.Popen[bytes]]) -> None:
+    pid = start(started, SPINNER)
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + DEADLINE_S
+    first = reading(pid)
+    while first.threads[0].state != "T" and time.monotonic() < deadline:
+        first = reading(pid)
+    later = reading(pid)
+    while later.time - first.time < 0.1:
+        later = reading(pid)
+    assert process_cause(first, later).cause is SilenceCause.STOPPED
+
+
+def test_a_gone_process_reads_as_none() -> None:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    assert read_activity(process.pid, time.monotonic()) is None
+
+
+def test_py_spy_sees_a_spinning_thread_in_its_frame(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    py_spy = find_py_spy()
+    if py_spy is None:
+        pytest.fail("py-spy is not installed: make test installs it")
+    pid = start(started, SPINNER)
+
+    async def run(argv: list[str], timeout: float) -> tuple[int, str]:
+        completed = await asyncio.to_thread(
+            subprocess.run, argv, capture_output=True, text=True, timeout=timeout
+        )
+        return completed.returncode, completed.stdout + completed.stderr
+
+    async def frames_of_main() -> tuple[str, ...]:
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            stacks = await sample_stacks(py_spy, pid, 10.0, run)
+            if stacks.get(pid):
+                return stacks[pid]
+        raise AssertionError("py-spy never showed the main thread's frames")
+
+    frames = asyncio.run(frames_of_main())
+    assert frames[0].startswith("spin_here (")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("Process 1: python", "not JSON"),
+        ('{"pid": 1}', "not a list"),
+        ("[1]", "not an object"),
+        ('[{"frames": []}]', "without os_thread_id"),
+    ],
+)
+def test_a_py_spy_dump_that_cannot_be_read_says_why(text: str, reason: str) -> None:
+    with pytest.raises(StackError, match=reason):
+        parse_py_spy_json(text)
