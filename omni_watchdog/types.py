@@ -82,7 +82,7 @@ class ThreadActivity:
     """One thread as the kernel shows it: its state letter (`R`, `S`, `D`, `T`, `t`, `Z`),
     the kernel function it sleeps in ("" where not shown), its CPU time and its time spent
     runnable waiting for a CPU, and its Python frames, innermost first, where its stack was
-    read (`function (file)`)."""
+    read (`function (file:line)`)."""
 
     tid: int
     state: str

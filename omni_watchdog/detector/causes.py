@@ -23,6 +23,10 @@ from omni_watchdog.types import ChildActivity, ProcessActivity, SilenceCause, Th
 # is working, not waiting (the detector's RUNNING_SHARE, measured on the real vLLM-Omni: a
 # worker blocked in its forward used 1 % of a core through 11 s of silence).
 WORKING_SHARE = 0.1
+# A descendant that gained at least this share of the time between two readings on a CPU,
+# or was runnable at both, is working: a sleeping child gains nothing, and a compiler on a
+# loaded host may get little of a core but still advances (or waits for a CPU to).
+CHILD_WORKING_SHARE = 0.01
 # A thread that waited, runnable, for a CPU at least this share of the time between two
 # readings, and longer than it ran, was starved by its neighbours.
 STARVED_SHARE = 0.1
@@ -74,11 +78,25 @@ DEVICE_FRAMES = (
     "nccl",
     "Tensor.item",
 )
-# Kernel functions a thread sleeps in while it waits on a child: wait(2) itself, or a read
-# of the child's output (names differ between kernel versions).
+# Kernel functions a thread sleeps in while it waits on a child: wait(2) itself, a read of
+# the child's output, or vfork's wait for the child to exec (in D: subprocess starts its
+# children so); names differ between kernel versions.
 CHILD_WAIT_CHANNELS = frozenset(
-    {"do_wait", "kernel_wait4", "kernel_waitid", "pipe_read", "anon_pipe_read", "pipe_wait"}
+    {
+        "do_wait",
+        "kernel_wait4",
+        "kernel_waitid",
+        "pipe_read",
+        "anon_pipe_read",
+        "pipe_wait",
+        "kernel_clone",
+        "wait_for_vfork_done",
+    }
 )
+# A thread busy in the same frames in this many stack samples running is spinning; with
+# fewer samples its frames say nothing yet. Three, so that work dominated by one line (a
+# long operator in a loop of them) is rarely caught on it in every sample.
+SPIN_SAMPLES = 3
 # The stopped states: T (SIGSTOP) and t (a tracer's stop).
 _STOPPED_STATES = frozenset("Tt")
 
@@ -111,8 +129,14 @@ _STAGE_ORDER = (
 )
 
 
-def process_cause(before: ProcessActivity, after: ProcessActivity) -> CauseFinding:
-    """What the process read at `before` and again at `after` is doing."""
+def process_cause(
+    before: ProcessActivity,
+    after: ProcessActivity,
+    sampled: Sequence[ProcessActivity] = (),
+) -> CauseFinding:
+    """What the process read at `before` and again at `after` is doing. `sampled`: the
+    readings with stacks before `after`, oldest first, for telling a spin (the same frames
+    sample after sample) from work whose frames move."""
     interval = after.time - before.time
     if interval <= 0:
         return CauseFinding(SilenceCause.UNKNOWN, False, f"pid {after.pid}: one reading only")
@@ -122,7 +146,13 @@ def process_cause(before: ProcessActivity, after: ProcessActivity) -> CauseFindi
             SilenceCause.STOPPED, False, f"pid {after.pid} stopped ({stopped[0].state})"
         )
     earlier = {t.tid: t for t in before.threads}
-    held = [t for t in after.threads if t.state == "D" and earlier.get(t.tid, t).state == "D"]
+    held = [
+        t
+        for t in after.threads
+        if t.state == "D"
+        and earlier.get(t.tid, t).state == "D"
+        and t.wait_channel not in CHILD_WAIT_CHANNELS
+    ]
     if held and not _busy(after.threads, earlier, interval):
         where = held[0].wait_channel or "an unnamed kernel wait"
         return CauseFinding(
@@ -133,7 +163,7 @@ def process_cause(before: ProcessActivity, after: ProcessActivity) -> CauseFindi
     child = _child_finding(before, after, interval)
     if child is not None:
         return child
-    return _own_finding(before, after, earlier, interval)
+    return _own_finding(after, earlier, interval, sampled)
 
 
 def stage_cause(findings: Iterable[CauseFinding]) -> CauseFinding:
@@ -150,7 +180,12 @@ def _child_finding(
     """A descendant working for the process, or one it waits on that does not advance."""
     earlier = {c.pid: c for c in before.children}
     gains = {c.pid: c.cpu_seconds - _child_cpu(earlier.get(c.pid)) for c in after.children}
-    working = [c for c in after.children if gains[c.pid] >= WORKING_SHARE * interval]
+    working = [
+        c
+        for c in after.children
+        if gains[c.pid] >= CHILD_WORKING_SHARE * interval
+        or c.state == "R" == _child_state(earlier.get(c.pid))
+    ]
     if working:
         compilers = [c for c in working if c.name in COMPILER_NAMES]
         top = max(compilers or working, key=lambda c: gains[c.pid])
@@ -171,10 +206,10 @@ def _child_finding(
 
 
 def _own_finding(
-    before: ProcessActivity,
     after: ProcessActivity,
     earlier: dict[int, ThreadActivity],
     interval: float,
+    sampled: Sequence[ProcessActivity],
 ) -> CauseFinding:
     """What the process's own threads do: starved, busy (in which frames), or asleep."""
     starved = _starved_thread(after.threads, earlier, interval)
@@ -188,7 +223,7 @@ def _own_finding(
         )
     busy = _busy(after.threads, earlier, interval)
     if busy:
-        return _busy_finding(before, after, busy, interval)
+        return _busy_finding(after, busy, interval, sampled)
     main = next((t for t in after.threads if t.tid == after.pid), None)
     frames = main.frames if main is not None else ()
     if _matches(frames, DEVICE_FRAMES):
@@ -206,10 +241,10 @@ def _own_finding(
 
 
 def _busy_finding(
-    before: ProcessActivity,
     after: ProcessActivity,
     busy: Sequence[tuple[ThreadActivity, float]],
     interval: float,
+    sampled: Sequence[ProcessActivity],
 ) -> CauseFinding:
     thread, used = busy[0]
     share = f"{used / interval:.0%} CPU"
@@ -232,19 +267,29 @@ def _busy_finding(
         return CauseFinding(
             SilenceCause.DEVICE_WAIT, False, f"pid {after.pid} at {share} in {frame}"
         )
-    earlier = {t.tid: t for t in before.threads}
-    previous = earlier.get(thread.tid)
     where = thread.frames[0] if thread.frames else "no Python frame"
-    if before.stacks_read and previous is not None and previous.frames == thread.frames:
+    earlier = [_frames_of(reading, thread.tid) for reading in sampled[-(SPIN_SAMPLES - 1) :]]
+    if len(earlier) < SPIN_SAMPLES - 1:
+        return CauseFinding(
+            SilenceCause.UNKNOWN,
+            False,
+            f"pid {after.pid}: thread {thread.tid} at {share} in {where},"
+            f" its stack sampled {len(earlier) + 1} of {SPIN_SAMPLES} times",
+        )
+    if all(frames == thread.frames for frames in earlier):
         return CauseFinding(
             SilenceCause.SPINNING,
             False,
             f"pid {after.pid}: thread {thread.tid} at {share} in the same frames"
-            f" {interval:.1f}s apart: {where}",
+            f" {SPIN_SAMPLES} samples running: {where}",
         )
     return CauseFinding(
         SilenceCause.COMPUTING, True, f"pid {after.pid} at {share}, its frames moving: {where}"
     )
+
+
+def _frames_of(reading: ProcessActivity, tid: int) -> tuple[str, ...] | None:
+    return next((t.frames for t in reading.threads if t.tid == tid), None)
 
 
 def _busy(
@@ -292,3 +337,7 @@ def _cpu(thread: ThreadActivity | None) -> float:
 
 def _child_cpu(child: ChildActivity | None) -> float:
     return child.cpu_seconds if child is not None else 0.0
+
+
+def _child_state(child: ChildActivity | None) -> str:
+    return child.state if child is not None else ""

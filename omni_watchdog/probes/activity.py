@@ -63,7 +63,8 @@ async def sample_stacks(
 
 
 def parse_py_spy_json(text: str) -> dict[int, tuple[str, ...]]:
-    """py-spy's `dump --json` as {os thread id: ("function (file)", …)}, innermost first."""
+    """py-spy's `dump --json` as {os thread id: ("function (file:line)", …)}, innermost
+    first."""
     try:
         document: Any = json.loads(text)
     except json.JSONDecodeError as error:
@@ -79,7 +80,7 @@ def parse_py_spy_json(text: str) -> dict[int, tuple[str, ...]]:
         if not isinstance(tid, int) or not isinstance(frames, list):
             raise StackError("a thread without os_thread_id or frames")
         stacks[tid] = tuple(
-            f"{frame.get('name', '?')} ({frame.get('filename', '?')})"
+            f"{frame.get('name', '?')} ({frame.get('filename', '?')}:{frame.get('line', '?')})"
             for frame in frames[:MAX_FRAMES_KEPT]
             if isinstance(frame, dict)
         )

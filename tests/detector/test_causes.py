@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from omni_watchdog.detector.causes import CauseFinding, process_cause, stage_cause
+from omni_watchdog.detector.causes import SPIN_SAMPLES, CauseFinding, process_cause, stage_cause
 from omni_watchdog.types import ChildActivity, ProcessActivity, SilenceCause, ThreadActivity
 
 PID = 100
@@ -45,8 +45,10 @@ def readings(
     threads: tuple[Thread, ...] = (Thread(),),
     children: tuple[Child, ...] = (),
     stacks: bool = False,
-) -> tuple[ProcessActivity, ProcessActivity]:
-    """Two readings INTERVAL apart in which each thread and child did what it says."""
+    samples_before: int = SPIN_SAMPLES - 1,
+) -> tuple[ProcessActivity, ProcessActivity, tuple[ProcessActivity, ...]]:
+    """Two readings INTERVAL apart in which each thread and child did what it says, and
+    with `stacks`, `samples_before` earlier samples that showed the frames before."""
     before_threads, after_threads = [], []
     for thread in threads:
         frames_before = thread.frames if thread.frames_before is None else thread.frames_before
@@ -63,14 +65,15 @@ def readings(
                 thread.frames,
             )
         )
-    before_children = tuple(ChildActivity(c.pid, c.name, "R", 5.0) for c in children if not c.new)
+    before_children = tuple(
+        ChildActivity(c.pid, c.name, c.state, 5.0) for c in children if not c.new
+    )
     after_children = tuple(
         ChildActivity(c.pid, c.name, c.state, (0.0 if c.new else 5.0) + c.ran) for c in children
     )
-    return (
-        ProcessActivity(PID, 50.0, tuple(before_threads), before_children, stacks),
-        ProcessActivity(PID, 50.0 + INTERVAL, tuple(after_threads), after_children, stacks),
-    )
+    before = ProcessActivity(PID, 50.0, tuple(before_threads), before_children, stacks)
+    after = ProcessActivity(PID, 50.0 + INTERVAL, tuple(after_threads), after_children, stacks)
+    return before, after, (before,) * samples_before if stacks else ()
 
 
 CASES = {
@@ -106,6 +109,18 @@ CASES = {
         SilenceCause.WAITING_ON_CHILD,
         True,
         "python3 pid 200 at 95% CPU",
+    ),
+    "a compiler child runnable throughout but given no CPU is work waiting for one": (
+        readings((Thread(wchan="do_wait"),), (Child("cc1plus", 0.0, state="R"),)),
+        SilenceCause.COMPILING,
+        True,
+        "cc1plus pid 200 at 0% CPU",
+    ),
+    "a child that gained a little CPU on a loaded host still advances": (
+        readings((Thread(wchan="do_wait"),), (Child("python3", 0.04, state="S"),)),
+        SilenceCause.WAITING_ON_CHILD,
+        True,
+        "python3 pid 200 at 2% CPU",
     ),
     "a child it waits on that was stopped is work stopped": (
         readings((Thread(wchan="do_wait"),), (Child("cc1plus", 0.0, state="T"),)),
@@ -159,7 +174,7 @@ CASES = {
         readings((Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP)),), stacks=True),
         SilenceCause.SPINNING,
         False,
-        "in the same frames 2.0s apart: forward",
+        "in the same frames 3 samples running: forward",
     ),
     "busy with frames that move is computing, advancing": (
         readings(
@@ -177,6 +192,16 @@ CASES = {
         SilenceCause.COMPUTING,
         True,
         "its frames moving: matmul",
+    ),
+    "busy in the same frames, sampled too few times to tell, is unknown, never work": (
+        readings(
+            (Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP)),),
+            stacks=True,
+            samples_before=1,
+        ),
+        SilenceCause.UNKNOWN,
+        False,
+        "its stack sampled 2 of 3 times",
     ),
     "busy without its stack read is unknown, never work": (
         readings((Thread(state="R", wchan="", ran=2.0),)),
@@ -207,14 +232,14 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_process_cause_from_two_readings(name: str) -> None:
-    (before, after), cause, working, detail = CASES[name]
-    finding = process_cause(before, after)
+    (before, after, sampled), cause, working, detail = CASES[name]
+    finding = process_cause(before, after, sampled)
     assert (finding.cause, finding.working) == (cause, working), finding
     assert detail in finding.detail, finding
 
 
 def test_one_reading_is_no_cause() -> None:
-    before, _ = readings()
+    before, _, _ = readings()
     assert process_cause(before, before).cause is SilenceCause.UNKNOWN
 
 

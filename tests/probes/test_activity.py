@@ -87,6 +87,9 @@ def test_a_parent_waiting_on_a_stopped_child_waits_on_work_stopped(
     first = reading(pid)
     while not first.children and time.monotonic() < deadline:
         first = reading(pid)
+    # Stopped before it has exec'd, the child would hold its parent in vfork's wait.
+    while reading(pid).threads[0].wait_channel != "do_wait" and time.monotonic() < deadline:
+        time.sleep(0.05)
     child = first.children[0].pid
     os.kill(child, signal.SIGSTOP)
     stopped = reading(pid)
@@ -134,16 +137,25 @@ def test_py_spy_sees_a_spinning_thread_in_its_frame(
         )
         return completed.returncode, completed.stdout + completed.stderr
 
-    async def frames_of_main() -> tuple[str, ...]:
+    async def frames_of_main() -> list[tuple[str, ...]]:
+        """Samples of the main thread until one shows it spinning (it starts by importing)."""
+        seen: list[tuple[str, ...]] = []
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline:
-            stacks = await sample_stacks(py_spy, pid, 10.0, run)
-            if stacks.get(pid):
-                return stacks[pid]
-        raise AssertionError("py-spy never showed the main thread's frames")
+            try:
+                stacks = await sample_stacks(py_spy, pid, 10.0, run)
+            except StackError as error:
+                # A sample taken without pausing the process may be torn, as the probe
+                # knows: it has no stacks then and samples again later.
+                seen.append((f"failed: {error}",))
+                continue
+            seen.append(stacks.get(pid, ()))
+            if seen[-1] and seen[-1][0].startswith("spin_here ("):
+                return seen
+        raise AssertionError(f"py-spy never showed the main thread spinning: {seen[-3:]}")
 
-    frames = asyncio.run(frames_of_main())
-    assert frames[0].startswith("spin_here (")
+    frames = asyncio.run(frames_of_main())[-1]
+    assert frames[0] == "spin_here (<string>:2)", frames
 
 
 @pytest.mark.parametrize(
