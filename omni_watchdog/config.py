@@ -26,11 +26,11 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from omni_watchdog.types import Mode, StepName
+from omni_watchdog.types import Mode, SilenceCause, StepName
 
 ENV_PREFIX = "OMNI_WATCHDOG_"
 GPU_BACKENDS = ("nvml", "sim", "none")
-PROBES = ("spans", "metrics", "health", "canary", "processes", "gpu")
+PROBES = ("spans", "metrics", "health", "canary", "processes", "gpu", "activity")
 LADDER_STEPS = tuple(step.value for step in StepName)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -192,6 +192,27 @@ def _check_steps(names: list[str]) -> None:
         )
 
 
+# The causes of a silence that can be work advancing, each of which may have its own bound.
+WORKING_CAUSES = (
+    SilenceCause.COMPILING,
+    SilenceCause.WAITING_ON_CHILD,
+    SilenceCause.LOADING,
+    SilenceCause.COMPUTING,
+)
+
+
+def _check_work_timeouts(bounds: dict[str, Any]) -> None:
+    names = {cause.value for cause in WORKING_CAUSES}
+    for name, bound in bounds.items():
+        if name not in names:
+            raise ValueError(
+                f"unknown cause {_shown(name)}; expected some of {', '.join(sorted(names))}"
+            )
+        seconds = parse_duration(bound)
+        if seconds < 1.0:
+            raise ValueError(f"{name}: must be at least 1s, got {seconds:g}s")
+
+
 def _duration(default: float, doc: str, *, minimum: float, maximum: float = _DAY) -> Any:
     metadata = {"duration": True, "doc": doc, "minimum": minimum, "maximum": maximum}
     return field(default=default, metadata=metadata)
@@ -277,6 +298,19 @@ class DetectionConfig:
         " it) has been down this long is orphaned: its own watchdog ends it.",
         minimum=0.1,
     )
+    work_timeout: float = _duration(
+        600.0,
+        "A silent stage whose work visibly advances (a compile, a child process building"
+        " for it, a step whose stacks move, weights loading) is not stalled before this;"
+        " work that stops advancing is judged at once.",
+        minimum=1.0,
+    )
+    work_timeouts: dict[str, Any] = _setting(
+        {},
+        'Per cause, a bound other than work_timeout, e.g. {"compiling": "30m"};'
+        f" causes: {', '.join(c.value for c in WORKING_CAUSES)}.",
+        check=_check_work_timeouts,
+    )
     remote_grace: float = _duration(
         120.0,
         "The head's /health failing this long while only remote stages are unwell (none"
@@ -284,6 +318,11 @@ class DetectionConfig:
         " stage and register it again.",
         minimum=1.0,
     )
+
+    def work_budget(self, cause: SilenceCause) -> float:
+        """How long work of `cause` that advances may keep its stage silent."""
+        bound = self.work_timeouts.get(cause.value)
+        return self.work_timeout if bound is None else parse_duration(bound)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from omni_watchdog.policy.incidents import (
 from omni_watchdog.policy.inspect import read_condition
 from omni_watchdog.policy.ladder import LadderRunner, ladder_from_config
 from omni_watchdog.policy.maintenance import MaintenanceWindow
+from omni_watchdog.probes.activity import ActivityProbe
 from omni_watchdog.probes.canary import CanaryProbe
 from omni_watchdog.probes.exits import ExitNotices
 from omni_watchdog.probes.gpu import GpuProbe, load_nvml
@@ -200,6 +201,16 @@ def _assemble(
     ]
     if gpu is not None:
         periodic.append((gpu, probes.interval))
+    actuators = Actuators(
+        SignalGuard(process_table, tracker.is_recorded, start_time=start_time), session
+    )
+    py_spy = find_py_spy()
+    if process_table is psutil:
+        # /proc and py-spy read this kernel's processes; a fake table's pids are not its.
+        activity = ActivityProbe(
+            clock, detector.silent_stages, tracker.live, py_spy, actuators.run_bounded
+        )
+        periodic.append((activity, probes.interval))
     link: MasterLinkProbe | None = None
     if config.headless:
         link = MasterLinkProbe(
@@ -213,9 +224,6 @@ def _assemble(
     periodic = [(probe, every) for probe, every in periodic if probe.name in enabled]
 
     bundles = BundleWriter(state_dir / "incidents", write_errors)
-    actuators = Actuators(
-        SignalGuard(process_table, tracker.is_recorded, start_time=start_time), session
-    )
     capture = Capturer(
         actuators,
         session,
@@ -228,7 +236,7 @@ def _assemble(
         store.to_jsonable,
         target.last_gpu,
         lambda info: target.alive(info.identity),
-        find_py_spy(),
+        py_spy,
     )
     runner = LadderRunner(
         tuple(

@@ -265,6 +265,7 @@ class ObservationKind(str, enum.Enum):
     GPU_DEVICE = "gpu_device"
     TOPOLOGY = "topology"
     LINK = "link"
+    ACTIVITY = "activity"
 
 
 # PROGRESS `detail` of a stage whose counters move at every engine step (tokens, iterations).
@@ -293,6 +294,8 @@ class Observation:
     - GPU_DEVICE: `gpu`, `value` = used bytes, `utilization` = 0..1.
     - TOPOLOGY: `topology` = the stage graph a source learned from the server; the app
       decides whether it replaces the current one.
+    - ACTIVITY: `stage`, `activity` = what one of its processes was doing (read only while
+      the stage is silent).
     """
 
     kind: ObservationKind
@@ -308,6 +311,7 @@ class Observation:
     gpu: int | None = None
     utilization: float | None = None
     topology: Topology | None = None
+    activity: ProcessActivity | None = None
 
 
 @dataclass(frozen=True)
@@ -317,6 +321,17 @@ class Evidence:
     kind: EvidenceKind
     stage: StageRef
     since: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class StageCause:
+    """Why a silent stage is silent, as the detector last found it: the cause, since when
+    it holds, whether its work visibly advances, and the readings behind it."""
+
+    cause: SilenceCause
+    since: float
+    working: bool
     detail: str
 
 
@@ -338,6 +353,8 @@ class StageStatus:
     # spans say ("" while none said; a local stage is on the watchdog's own host).
     remote: bool = False
     host: str = ""
+    # What the stage is doing while it is silent; None while it is not (or nothing read).
+    cause: StageCause | None = None
 
 
 @dataclass(frozen=True)
@@ -350,6 +367,8 @@ class Verdict:
     evidence: tuple[Evidence, ...]
     # About a stage on another host: shown and alerted on, never acted on by this watchdog.
     remote: bool = False
+    # What the stage was doing when judged stalled (None for a death, or nothing read).
+    cause: StageCause | None = None
 
 
 class Mode(str, enum.Enum):

@@ -64,6 +64,7 @@ EXPORTER_FAMILIES = {
     "omni_watchdog_stage_remote": "gauge",
     "omni_watchdog_stage_last_progress_timestamp_seconds": "gauge",
     "omni_watchdog_stage_heartbeat_age_seconds": "gauge",
+    "omni_watchdog_stage_silence_seconds": "gauge",
     "omni_watchdog_stage_requests_in_flight": "gauge",
     "omni_watchdog_stage_requests_overdue": "gauge",
     "omni_watchdog_stage_duration_seconds": "histogram",

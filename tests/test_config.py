@@ -207,6 +207,7 @@ RANGES = {
     "detection.crash_window": (0.1, 86400.0),
     "detection.link_grace": (0.1, 86400.0),
     "detection.remote_grace": (1.0, 86400.0),
+    "detection.work_timeout": (1.0, 86400.0),
     "probes.interval": (0.05, 3600.0),
     "probes.health_interval": (0.05, 3600.0),
     "probes.health_timeout": (0.1, 3600.0),

@@ -248,27 +248,35 @@ def _busy_finding(
 ) -> CauseFinding:
     thread, used = busy[0]
     share = f"{used / interval:.0%} CPU"
-    if not after.stacks_read:
+    # Stacks are sampled less often than the kernel is read: between samples, the latest
+    # sample tells what the busy threads are in.
+    if after.stacks_read:
+        latest, before = after, sampled
+    elif sampled:
+        latest, before = sampled[-1], sampled[:-1]
+    else:
         return CauseFinding(
             SilenceCause.UNKNOWN,
             False,
             f"pid {after.pid}: thread {thread.tid} at {share}, its stack not read",
         )
+    stacks = [_frames_of(latest, t.tid) or () for t, _ in busy]
     for markers, cause in (
         (COMPILE_FRAMES, SilenceCause.COMPILING),
         (LOAD_FRAMES, SilenceCause.LOADING),
     ):
-        found = [t for t, _ in busy if _matches(t.frames, markers)]
+        found = [frames for frames in stacks if _matches(frames, markers)]
         if found:
-            frame = _named(found[0].frames, markers)
+            frame = _named(found[0], markers)
             return CauseFinding(cause, True, f"pid {after.pid} at {share} in {frame}")
-    if _matches(thread.frames, DEVICE_FRAMES):
-        frame = _named(thread.frames, DEVICE_FRAMES)
+    frames = stacks[0]
+    if _matches(frames, DEVICE_FRAMES):
+        frame = _named(frames, DEVICE_FRAMES)
         return CauseFinding(
             SilenceCause.DEVICE_WAIT, False, f"pid {after.pid} at {share} in {frame}"
         )
-    where = thread.frames[0] if thread.frames else "no Python frame"
-    earlier = [_frames_of(reading, thread.tid) for reading in sampled[-(SPIN_SAMPLES - 1) :]]
+    where = frames[0] if frames else "no Python frame"
+    earlier = [_frames_of(reading, thread.tid) for reading in before[-(SPIN_SAMPLES - 1) :]]
     if len(earlier) < SPIN_SAMPLES - 1:
         return CauseFinding(
             SilenceCause.UNKNOWN,
@@ -276,7 +284,7 @@ def _busy_finding(
             f"pid {after.pid}: thread {thread.tid} at {share} in {where},"
             f" its stack sampled {len(earlier) + 1} of {SPIN_SAMPLES} times",
         )
-    if all(frames == thread.frames for frames in earlier):
+    if all(earlier_frames == frames for earlier_frames in earlier):
         return CauseFinding(
             SilenceCause.SPINNING,
             False,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from omni_watchdog.config import DetectionConfig
+from omni_watchdog.detector.causes import SPIN_SAMPLES, CauseFinding, process_cause, stage_cause
 from omni_watchdog.detector.expectations import (
     BlindSpells,
     PendingRequest,
@@ -42,10 +43,12 @@ from omni_watchdog.types import (
     HealthOutcome,
     Observation,
     ObservationKind,
+    ProcessActivity,
     ProcessInfo,
     ProcessRole,
     ProcessStatus,
     SpanOutcome,
+    StageCause,
     StageRef,
     StageRequests,
     StageState,
@@ -70,6 +73,23 @@ _NEVER_ALONE = frozenset({EvidenceKind.SPAN_OVERDUE})
 _LATENESS = frozenset(
     {EvidenceKind.HEARTBEAT_LOST, EvidenceKind.SPAN_OVERDUE, EvidenceKind.CANARY_FAILED}
 )
+# What a stage whose work visibly advances (a compile, a child building for it, a step
+# whose frames move) is excused from until its work budget runs out: each says only that
+# it is late or quiet, which such work is. A stopped or exited process, a failed /health
+# and a lost link are never excused: a stage doing legit work shows none of them.
+_EXCUSED_BY_WORK = frozenset(
+    {
+        EvidenceKind.HEARTBEAT_LOST,
+        EvidenceKind.SPAN_OVERDUE,
+        EvidenceKind.CANARY_FAILED,
+        EvidenceKind.PROGRESS_FLAT,
+        EvidenceKind.PROCESS_STUCK,
+    }
+)
+# A stage is silent, and its processes are read for a cause, once its loop has not beaten
+# for this share of `heartbeat_timeout`, or its counters have stayed flat under load for
+# this share of `progress_timeout`: two readings are in by the time evidence stands.
+SILENT_SHARE = 0.5
 # A clean stop takes its engine down a moment before the server itself (vLLM: all gone in
 # under 0.5 s), so only signs older than this before the exit can make it a crash.
 _EXIT_SETTLE = 1.0
@@ -114,6 +134,16 @@ class _ProcessMemory:
 
 
 @dataclass
+class _ActivityMemory:
+    """The readings of one stage process while its stage is silent: the latest, the
+    latest ones with stacks (for telling a spin), and what the last two said."""
+
+    latest: ProcessActivity
+    sampled: deque[ProcessActivity] = field(default_factory=lambda: deque(maxlen=SPIN_SAMPLES))
+    finding: CauseFinding | None = None
+
+
+@dataclass
 class _StageMemory:
     last_heartbeat: float | None = None
     progress_value: float | None = None
@@ -133,6 +163,10 @@ class _StageMemory:
     state: StageState = StageState.STARTING
     since: float = 0.0
     last_error: str = ""
+    activity: dict[int, _ActivityMemory] = field(default_factory=dict)
+    cause: StageCause | None = None
+    # Since when its findings have said, without a break, that its work advances.
+    working_since: float | None = None
 
 
 class Detector:
@@ -391,6 +425,22 @@ class Detector:
         known.waits.append((obs.time, info.cpu_wait_seconds))
         known.info = info
 
+    def _on_activity(self, obs: Observation) -> None:
+        memory = self._memory(obs.stage)
+        reading = obs.activity
+        if memory is None or reading is None:
+            return
+        known = memory.activity.get(reading.pid)
+        if known is None:
+            if len(memory.activity) >= MAX_PROCESSES_PER_STAGE:
+                return
+            known = memory.activity[reading.pid] = _ActivityMemory(reading)
+        elif reading.time > known.latest.time:
+            known.finding = process_cause(known.latest, reading, tuple(known.sampled))
+            known.latest = reading
+        if reading.stacks_read:
+            known.sampled.append(reading)
+
     def _on_gpu_process(self, obs: Observation) -> None:
         memory = self._memory(obs.stage)
         if memory is not None and obs.pid is not None:
@@ -415,6 +465,7 @@ class Detector:
         ObservationKind.GPU_PROCESS: _on_gpu_process,
         ObservationKind.GPU_DEVICE: _on_gpu_device,
         ObservationKind.LINK: _on_link,
+        ObservationKind.ACTIVITY: _on_activity,
     }
 
     # ---- queries ------------------------------------------------------------------
@@ -455,6 +506,16 @@ class Detector:
         memory = self._stages.get(ref)
         return memory.progress_changed_at if memory else None
 
+    def silent_stages(self, now: float) -> tuple[StageRef, ...]:
+        """The local stage replicas whose processes are worth reading for a cause now: their
+        loop has stopped beating, or their counters stay flat under load, or they are
+        judged unwell already (see `SILENT_SHARE`)."""
+        return tuple(
+            ref
+            for ref, memory in self._stages.items()
+            if ref.stage_id not in self._remote and self._silent(memory, now)
+        )
+
     def next_due(self, now: float) -> float | None:
         """The first moment after `now` at which a timeout runs out for what is known now:
         a stage's heartbeat silence, its counters flat under load, a stopped or D-state
@@ -477,6 +538,8 @@ class Detector:
                 and process.info.status in (ProcessStatus.STOPPED, ProcessStatus.DISK_SLEEP)
             )
             due.extend(since for since, _ in self._released_after_exit(memory))
+            if memory.cause is not None and memory.working_since is not None:
+                due.append(memory.working_since + self._config.work_budget(memory.cause.cause))
         if self._link_down_since is not None:
             due.append(self._link_down_since + config.link_grace)
         return min((moment for moment in due if moment > now), default=None)
@@ -492,12 +555,19 @@ class Detector:
         verdicts: list[Verdict] = []
         for ref, memory in self._stages.items():
             remote = ref.stage_id in self._remote
-            evidence = list(own[ref])
+            cause = self._update_cause(memory, now)
+            excused = self._excused(memory, now)
+            evidence = [e for e in own[ref] if e.kind not in excused]
+            set_aside = len(evidence) < len(own[ref])
             held_up = self._held_up(memory, evidence, now)
             if shared and (held_up or not self._shows_own_liveness(memory, now)):
-                evidence.extend(
-                    Evidence(kind, ref, since, detail) for kind, since, detail in shared
-                )
+                charged = [
+                    Evidence(kind, ref, since, detail)
+                    for kind, since, detail in shared
+                    if kind not in excused
+                ]
+                set_aside = set_aside or len(charged) < len(shared)
+                evidence.extend(charged)
             evidence.extend(self._after_exit(ref, memory, evidence, now))
             if not self._root_alive():
                 state = StageState.DEAD
@@ -507,13 +577,22 @@ class Detector:
             elif remote:
                 state = self._decide_remote(memory, evidence, now)
             else:
-                state = self._decide(memory, evidence, now, held_up)
+                state = self._decide(memory, evidence, now, held_up, set_aside)
             if state in (StageState.STALLED, StageState.DEAD):
                 evidence.extend(self._gpu_held(ref, memory, now))
             if state is not memory.state:
                 memory.state, memory.since = state, now
                 if state in (StageState.STALLED, StageState.DEAD) and self._root_alive():
-                    verdicts.append(Verdict(ref, state, now, tuple(evidence), remote=remote))
+                    verdicts.append(
+                        Verdict(
+                            ref,
+                            state,
+                            now,
+                            tuple(evidence),
+                            remote=remote,
+                            cause=cause if state is StageState.STALLED else None,
+                        )
+                    )
             statuses.append(
                 StageStatus(
                     ref,
@@ -524,6 +603,7 @@ class Detector:
                     memory.last_heartbeat,
                     memory.progress_changed_at,
                     remote=remote,
+                    cause=cause,
                 )
             )
         verdicts.extend(self._head_verdict(statuses, now))
@@ -534,9 +614,18 @@ class Detector:
         return DetectorReport(now, warm, tuple(statuses), tuple(verdicts), target_exit, requests)
 
     def _decide(
-        self, memory: _StageMemory, evidence: list[Evidence], now: float, held_up: bool
+        self,
+        memory: _StageMemory,
+        evidence: list[Evidence],
+        now: float,
+        held_up: bool,
+        set_aside: bool = False,
     ) -> StageState:
+        """`set_aside`: evidence was excused by work that advances (`_excused`); the stage
+        is then degraded at best, late but not stalled."""
         kinds = {e.kind for e in evidence if e.kind not in _CONSEQUENCES}
+        if not kinds and set_aside:
+            return StageState.DEGRADED
         if not kinds:
             has_signal = (
                 memory.last_heartbeat is not None
@@ -642,6 +731,63 @@ class Detector:
         judged: once `confirm_timeout` has passed without it waiting."""
         waiter = _busiest_waiter(memory)
         return waiter[1] if waiter else 0.0
+
+    def _silent(self, memory: _StageMemory, now: float) -> bool:
+        config = self._config
+        beat = memory.last_heartbeat
+        if beat is not None and now - beat > SILENT_SHARE * config.heartbeat_timeout:
+            return True
+        if self._load(memory, now) > 0 and memory.load_positive_since is not None:
+            flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
+            if now - flat_from > SILENT_SHARE * config.progress_timeout:
+                return True
+        return memory.state in (StageState.DEGRADED, StageState.STALLED)
+
+    def _update_cause(self, memory: _StageMemory, now: float) -> StageCause | None:
+        """The stage's cause from the latest fresh findings of its live processes, kept with
+        the moment it first held; None once the stage is no longer silent."""
+        findings = [
+            known.finding
+            for pid, known in memory.activity.items()
+            if known.finding is not None
+            and now - known.latest.time <= self._config.stale_after
+            and (pid not in memory.processes or memory.processes[pid].exited_at is None)
+        ]
+        silent = self._silent(memory, now)
+        if not silent:
+            # Readings from before it beat again say nothing of its next silence.
+            memory.activity.clear()
+        if not findings or not silent:
+            memory.cause, memory.working_since = None, None
+            return None
+        found = stage_cause(findings)
+        previous = memory.cause
+        same = previous is not None and (previous.cause, previous.working) == (
+            found.cause,
+            found.working,
+        )
+        since = previous.since if previous is not None and same else now
+        detail = found.detail
+        if not found.working:
+            memory.working_since = None
+        else:
+            if memory.working_since is None:
+                memory.working_since = now
+            budget = self._config.work_budget(found.cause)
+            worked = now - memory.working_since
+            if worked >= budget:
+                detail += f"; working for {worked:.0f}s, past its {budget:g}s budget"
+        memory.cause = StageCause(found.cause, since, found.working, detail)
+        return memory.cause
+
+    def _excused(self, memory: _StageMemory, now: float) -> frozenset[EvidenceKind]:
+        """The evidence its advancing work excuses, until that work's budget runs out."""
+        cause = memory.cause
+        if cause is None or not cause.working or memory.working_since is None:
+            return frozenset()
+        if now - memory.working_since >= self._config.work_budget(cause.cause):
+            return frozenset()
+        return _EXCUSED_BY_WORK
 
     def _head_verdict(self, statuses: list[StageStatus], now: float) -> list[Verdict]:
         """The head's own verdict when its server has stayed unhealthy for `remote_grace`

@@ -114,6 +114,12 @@ FAMILIES = (
         "Seconds since the stage replica's last loop heartbeat, NaN if none was ever seen.",
     ),
     (
+        "stage_silence_seconds",
+        "gauge",
+        "Seconds a silent stage replica has been doing what `cause` names (compiling,"
+        " waiting_on_child, spinning, ...); no series while it is not silent.",
+    ),
+    (
         "stage_requests_in_flight",
         "gauge",
         "Admitted requests waiting for this stage's span.",
@@ -503,6 +509,16 @@ class MetricsExposition:
             out.append(
                 f"{PREFIX}stage_heartbeat_age_seconds{{{replicas[ref].labels}}} {number(age)}"
             )
+
+        out.append(_HEADERS["stage_silence_seconds"])
+        for ref in refs:
+            status = statuses.get(ref)
+            cause = status.cause if status is not None else None
+            if cause is not None:
+                out.append(
+                    f"{PREFIX}stage_silence_seconds{{{replicas[ref].labels},"
+                    f'cause="{cause.cause.value}"}} {number(now - cause.since)}'
+                )
 
         requests = report.requests if report is not None else {}
         out.append(_HEADERS["stage_requests_in_flight"])

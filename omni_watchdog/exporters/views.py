@@ -78,6 +78,15 @@ def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
                 "gpu_memory_bytes": None
                 if status.remote
                 else sum(gpu_by_pid.get(pid, 0) for pid in pids),
+                "cause": None
+                if status.cause is None
+                else {
+                    "cause": status.cause.cause.value,
+                    "since": wall(status.cause.since),
+                    "seconds": now - status.cause.since,
+                    "working": status.cause.working,
+                    "detail": status.cause.detail,
+                },
                 "heartbeat_age_seconds": None if heartbeat is None else now - heartbeat,
                 "last_progress": wall(status.last_progress),
                 "in_flight": requests.in_flight if requests else 0,

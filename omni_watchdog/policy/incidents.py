@@ -33,6 +33,8 @@ from omni_watchdog.types import (
     Mode,
     OperatorAction,
     ProcessIdentity,
+    SilenceCause,
+    StageCause,
     StageRef,
     StageState,
     StepName,
@@ -77,6 +79,16 @@ def _verdict(data: Mapping[str, Any]) -> Verdict:
             Evidence(EvidenceKind(e["kind"]), _stage(e["stage"]), float(e["since"]), e["detail"])
             for e in data["evidence"]
         ),
+        remote=bool(data.get("remote", False)),
+        cause=_cause(data.get("cause")),
+    )
+
+
+def _cause(data: Mapping[str, Any] | None) -> StageCause | None:
+    if data is None:
+        return None
+    return StageCause(
+        SilenceCause(data["cause"]), float(data["since"]), bool(data["working"]), data["detail"]
     )
 
 

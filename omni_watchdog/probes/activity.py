@@ -7,14 +7,26 @@ detector compares two readings (`detector/causes.py`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from omni_watchdog import process_start
-from omni_watchdog.types import ChildActivity, ProcessActivity, ThreadActivity
+from omni_watchdog.types import (
+    ChildActivity,
+    Clock,
+    Observation,
+    ObservationKind,
+    ProcessActivity,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStatus,
+    StageRef,
+    ThreadActivity,
+)
 
 # Bounds on one reading: a process with more threads, or a tree with more descendants,
 # is read in part (the first by id), never without end.
@@ -26,7 +38,16 @@ MAX_FRAMES_KEPT = 48
 # Fields of /proc/<pid>/stat after the command name: state 0, ppid 1, utime 11, stime 12.
 _STATE, _PPID, _UTIME, _STIME = 0, 1, 11, 12
 
-StackRunner = Callable[[list[str], float], Awaitable[tuple[int, str]]]
+# Stage processes read per round, and how often each one's stacks are sampled while its
+# stage is silent, each sample bounded in time: py-spy reads a process's memory without
+# pausing it, about a tenth of a second of one core for a vLLM worker.
+MAX_PROCESSES_READ = 16
+STACK_EVERY = 1.0
+STACK_TIMEOUT = 2.0
+# The roles whose silence is a stage's: the API server and helpers have none of their own.
+_STAGE_ROLES = (ProcessRole.STAGE, ProcessRole.ENGINE, ProcessRole.WORKER)
+
+StackRunner = Callable[[list[str], float], Awaitable[tuple[int | None, str]]]
 
 
 class StackError(ValueError):
@@ -57,9 +78,82 @@ async def sample_stacks(
     code, output = await run(
         [py_spy, "dump", "--json", "--nonblocking", "--pid", str(pid)], timeout
     )
+    if code is None:
+        raise StackError(f"py-spy gave no dump in {timeout:g}s: {output.strip()[-200:]}")
     if code != 0:
         raise StackError(f"py-spy exited with {code}: {output.strip()[-200:]}")
     return parse_py_spy_json(output)
+
+
+class ActivityProbe:
+    """Reads what the processes of each silent stage are doing, and samples their stacks
+    (py-spy, non-blocking) at most every `stack_every` each. A stage that beats reads
+    nothing: the watchdog's idle cost does not grow. A sample that fails leaves that reading
+    without stacks, is counted, and the next one is tried in its time."""
+
+    name = "activity"
+
+    def __init__(
+        self,
+        clock: Clock,
+        silent_stages: Callable[[float], Sequence[StageRef]],
+        live: Callable[[], Sequence[ProcessInfo]],
+        py_spy: str | None,
+        run: StackRunner,
+        *,
+        stack_every: float = STACK_EVERY,
+        stack_timeout: float = STACK_TIMEOUT,
+        proc: Path = process_start.PROC,
+    ) -> None:
+        self._clock = clock
+        self._silent_stages = silent_stages
+        self._live = live
+        self._py_spy = py_spy
+        self._run = run
+        self._stack_every = stack_every
+        self._stack_timeout = stack_timeout
+        self._proc = proc
+        self._sampled_at: dict[int, float] = {}
+        self.stack_failures = 0
+        self.last_stack_error = ""
+
+    async def collect(self) -> Sequence[Observation]:
+        silent = set(self._silent_stages(self._clock.monotonic()))
+        if not silent:
+            self._sampled_at.clear()
+            return []
+        readable = [
+            info
+            for info in self._live()
+            if info.stage in silent
+            and info.role in _STAGE_ROLES
+            and info.status not in (ProcessStatus.ZOMBIE, ProcessStatus.EXITED)
+        ]
+        observations = []
+        for info in readable[:MAX_PROCESSES_READ]:
+            stacks = await self._stacks(info.pid)
+            now = self._clock.monotonic()
+            reading = await asyncio.to_thread(read_activity, info.pid, now, self._proc, stacks)
+            if reading is not None:
+                observations.append(
+                    Observation(ObservationKind.ACTIVITY, now, info.stage, activity=reading)
+                )
+        kept = {info.pid for info in readable}
+        self._sampled_at = {pid: at for pid, at in self._sampled_at.items() if pid in kept}
+        return observations
+
+    async def _stacks(self, pid: int) -> dict[int, tuple[str, ...]] | None:
+        now = self._clock.monotonic()
+        last = self._sampled_at.get(pid)
+        if self._py_spy is None or (last is not None and now - last < self._stack_every):
+            return None
+        self._sampled_at[pid] = now
+        try:
+            return await sample_stacks(self._py_spy, pid, self._stack_timeout, self._run)
+        except StackError as error:
+            self.stack_failures += 1
+            self.last_stack_error = f"pid {pid}: {error}"
+            return None
 
 
 def parse_py_spy_json(text: str) -> dict[int, tuple[str, ...]]:

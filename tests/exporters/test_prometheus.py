@@ -106,7 +106,7 @@ def test_every_family_of_the_contract_is_present(scripted: Scripted) -> None:
     # The parser names counters without their _total suffix.
     expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
     assert names == expected
-    assert len(FAMILY_NAMES) == 45
+    assert len(FAMILY_NAMES) == 46
 
 
 def test_content_type_is_the_text_format() -> None:
@@ -128,6 +128,11 @@ def test_state_shows_the_scripted_story(scripted: Scripted) -> None:
     heartbeat_unseen = value("stage_heartbeat_age_seconds", **unseen)
     assert heartbeat_unseen != heartbeat_unseen  # NaN
     assert value("stage_heartbeat_age_seconds", **stalled) == 15.0
+    # The stalled stage's processes sleep on a lock with nothing working for them; only a
+    # silent stage has a series.
+    assert value("stage_silence_seconds", **stalled, cause="lock_or_queue_wait") == 0.0
+    silences = [key for key in found if key[0].endswith("silence_seconds")]
+    assert len(silences) == 1, silences
     assert value("stage_requests_overdue", stage="1", stage_name="stage-1", host=HOST) == 6
     in_flight = value("stage_requests_in_flight", stage="0", stage_name='thinker "main"', host=HOST)
     assert in_flight == 0

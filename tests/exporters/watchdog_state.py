@@ -35,6 +35,7 @@ from omni_watchdog.types import (
     Observation,
     ObservationKind,
     ProbeHealth,
+    ProcessActivity,
     ProcessInfo,
     ProcessRole,
     ProcessStatus,
@@ -48,6 +49,7 @@ from omni_watchdog.types import (
     StepOutcome,
     StepResult,
     TargetView,
+    ThreadActivity,
     Topology,
     WatchdogState,
 )
@@ -281,6 +283,14 @@ def scripted_state(
     feed(beats(now, (never_seen, silent)))
     gpu = _gpu_reading(processes, gpus, now, silent)
     feed(observations_of(gpu))
+    # What the silent stage's processes do, as the activity probe reads them: asleep on a
+    # lock, nothing working for them.
+    for process in processes:
+        if process.stage == silent:
+            for at in (now - 1.0, now):
+                asleep = ThreadActivity(process.pid, "S", "futex_do_wait", 1.0, 0.0)
+                reading = ProcessActivity(process.pid, at, (asleep,))
+                feed([Observation(ObservationKind.ACTIVITY, at, silent, activity=reading)])
     report = detector.evaluate(now)
     report = dataclasses.replace(
         report,

@@ -1,0 +1,243 @@
+"""Table tests: a stage falls silent on a request; what it is doing decides the verdict.
+
+The talker of a three-stage pipeline gets a request and stops beating. The activity probe
+reads its process while it is silent (every half second, stacks every second), as the
+watchdog does; the canary, queued behind the request, times out. Work that advances (a
+compiler child, a step whose frames move) is never worse than `degraded` until its
+budget runs out; work that stops advancing, a blocked loop and a spin are judged, each
+as fast as its cause allows, and every verdict names its cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import pytest
+
+from omni_watchdog.clock import FakeClock
+from omni_watchdog.config import DetectionConfig
+from omni_watchdog.detector import Detector
+from omni_watchdog.types import (
+    STEP_COUNTERS,
+    ChildActivity,
+    DetectorReport,
+    HealthOutcome,
+    Observation,
+    ObservationKind,
+    ProcessActivity,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStatus,
+    SilenceCause,
+    SpanOutcome,
+    Stage,
+    StageRef,
+    StageState,
+    ThreadActivity,
+    Topology,
+    Verdict,
+)
+
+S0, S1, S2 = StageRef(0), StageRef(1), StageRef(2)
+PIPELINE = Topology(
+    (
+        Stage(0, "thinker", downstream=(1,)),
+        Stage(1, "talker", upstream=(0,), downstream=(2,)),
+        Stage(2, "code2wav", upstream=(1,), final_output=True),
+    )
+)
+ROOT = ProcessInfo(100, 1.0, 1, 100, 100, "api", ProcessStatus.SLEEPING, 1.0, ProcessRole.API)
+WORKER = ProcessInfo(
+    201, 2.0, 100, 100, 100, "worker", ProcessStatus.SLEEPING, 1.0, ProcessRole.WORKER, S1
+)
+COMPILER_PID = 300
+STEP = 0.25
+ADMITTED_AT = 8.0  # warm from 5 s (first healthy /health at 0 s + 5 s grace)
+AT_TALKER = 9.0  # the thinker's span: the request now waits at the talker
+FORWARD = "forward (/models/tiny.py:{line})"
+EXECUTE = "execute_model (/venv/vllm/v1/worker/gpu_model_runner.py:1800)"
+
+
+@dataclass
+class Work:
+    """What the talker does with the request, from its arrival, for `lasts` seconds (then
+    it beats again and sends its span); forever when `lasts` is None."""
+
+    kind: str  # "block", "spin", "compile", "steps"
+    lasts: float | None = None
+    # The compiler child is stopped (SIGSTOP) this long after the arrival.
+    child_stopped_at: float | None = None
+    history: list[DetectorReport] = field(default_factory=list)
+
+    def busy(self, since: float) -> bool:
+        return self.kind in ("spin", "steps") and self.working(since)
+
+    def working(self, since: float) -> bool:
+        return since >= 0 and (self.lasts is None or since < self.lasts)
+
+    def activity(self, now: float, since: float, stacks: bool) -> ProcessActivity:
+        """What /proc (and py-spy, with `stacks`) shows of the worker `since` the arrival."""
+        worked = max(0.0, since) if self.working(since) else 0.0
+        if self.kind in ("spin", "steps"):
+            # A spin stays on one line; a step's frames move from sample to sample.
+            line = 12 if self.kind == "spin" else 10 + int(since) % 7
+            frames = (FORWARD.format(line=line), EXECUTE) if stacks else ()
+            main = ThreadActivity(201, "R", "", 5.0 + worked, 0.1, frames)
+            return ProcessActivity(201, now, (main,), (), stacks)
+        frames = ("wait (/usr/lib/python3.11/threading.py:327)", EXECUTE) if stacks else ()
+        channel = "do_wait" if self.kind == "compile" else "futex_do_wait"
+        main = ThreadActivity(201, "S", channel, 5.0, 0.1, frames)
+        children: tuple[ChildActivity, ...] = ()
+        if self.kind == "compile" and self.working(since):
+            stopped = self.child_stopped_at is not None and since >= self.child_stopped_at
+            ran = min(since, self.child_stopped_at) if stopped and self.child_stopped_at else since
+            state = "T" if stopped else "R"
+            children = (ChildActivity(COMPILER_PID, "cc1plus", state, 0.9 * ran),)
+        return ProcessActivity(201, now, (main,), children, stacks)
+
+
+def drive(work: Work, seconds: float, config: DetectionConfig) -> list[DetectorReport]:
+    clock = FakeClock()
+    start = clock.monotonic()
+    detector = Detector(config, PIPELINE, start)
+    for tick in range(int(seconds / STEP) + 1):
+        now = clock.monotonic()
+        elapsed = now - start
+        since = elapsed - AT_TALKER
+        out = [Observation(ObservationKind.PROCESS, now, process=ROOT, outcome=ROOT.status)]
+        talker_silent = work.working(since)
+        if tick % 4 == 0:  # each second: /health, heartbeats, a scrape
+            out.append(Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK))
+            for ref in (S0, S1, S2):
+                if ref != S1 or not talker_silent:
+                    out.append(Observation(ObservationKind.HEARTBEAT, now, stage=ref))
+                out.append(
+                    Observation(ObservationKind.PROGRESS, now, ref, 10.0, detail=STEP_COUNTERS)
+                )
+        if talker_silent and since >= 2.0 and tick % 8 == 0:
+            # The canary, queued behind the request, times out every two seconds.
+            out.append(
+                Observation(ObservationKind.CANARY, now, value=2.0, outcome=HealthOutcome.TIMEOUT)
+            )
+        busy = work.busy(since)
+        status = ProcessStatus.RUNNING if busy else ProcessStatus.SLEEPING
+        cpu = 5.0 + (max(0.0, since) if busy else 0.0)
+        worker = dataclasses.replace(WORKER, status=status, cpu_seconds=cpu)
+        out.append(Observation(ObservationKind.PROCESS, now, process=worker, outcome=status))
+        if tick % 2 == 0 and S1 in detector.silent_stages(now):
+            reading = work.activity(now, since, stacks=tick % 4 == 0)
+            out.append(Observation(ObservationKind.ACTIVITY, now, S1, activity=reading))
+        if elapsed == ADMITTED_AT:
+            out.append(
+                Observation(ObservationKind.REQUEST_ADMITTED, now, request_id="r1", path=(0, 1, 2))
+            )
+        done_at = None if work.lasts is None else AT_TALKER + work.lasts
+        for ref, at in ((S0, AT_TALKER), (S1, done_at), (S2, done_at)):
+            if elapsed == at:
+                out.append(
+                    Observation(
+                        ObservationKind.STAGE_SPAN, now, ref, 0.5, SpanOutcome.OK, request_id="r1"
+                    )
+                )
+        detector.observe(out)
+        work.history.append(dataclasses.replace(detector.evaluate(now), time=elapsed))
+        clock.advance(STEP)
+    return work.history
+
+
+def first_verdict(reports: list[DetectorReport]) -> tuple[float, Verdict] | None:
+    for report in reports:
+        for verdict in report.verdicts:
+            return report.time - AT_TALKER, verdict
+    return None
+
+
+def talker_states(reports: list[DetectorReport]) -> set[StageState]:
+    return {s.state for r in reports if r.warmed_up for s in r.statuses if s.stage == S1}
+
+
+def causes_shown(reports: list[DetectorReport]) -> set[SilenceCause]:
+    return {
+        s.cause.cause for r in reports for s in r.statuses if s.stage == S1 and s.cause is not None
+    }
+
+
+DEFAULTS = DetectionConfig()
+
+# name, work, the cause the verdict names, judged within (s after the arrival)
+JUDGED = [
+    ("its loop blocked, asleep on a lock", Work("block"), SilenceCause.LOCK_OR_QUEUE_WAIT, 4.0),
+    ("its loop spinning in one frame", Work("spin"), SilenceCause.SPINNING, 15.0),
+    (
+        "its compiler child stopped half-way",
+        Work("compile", child_stopped_at=20.0),
+        SilenceCause.WAITING_ON_CHILD,
+        20.0 + 2.0,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("work", "cause", "within"), [j[1:] for j in JUDGED], ids=[j[0] for j in JUDGED]
+)
+def test_a_silence_without_work_advancing_is_judged_as_fast_as_its_cause_allows(
+    work: Work, cause: SilenceCause, within: float
+) -> None:
+    found = first_verdict(drive(work, AT_TALKER + 60.0, DEFAULTS))
+    assert found is not None, causes_shown(work.history)
+    moment, verdict = found
+    assert verdict.stage == S1 and verdict.state is StageState.STALLED, verdict
+    assert verdict.cause is not None and verdict.cause.cause is cause, verdict.cause
+    assert not verdict.cause.working
+    assert moment <= within, (moment, verdict)
+
+
+def test_a_stopped_compiler_is_judged_only_once_it_stopped() -> None:
+    work = Work("compile", child_stopped_at=20.0)
+    found = first_verdict(drive(work, AT_TALKER + 40.0, DEFAULTS))
+    assert found is not None
+    assert found[0] >= 20.0, found
+    assert "cc1plus pid 300: stopped (T)" in (found[1].cause.detail if found[1].cause else "")
+
+
+# name, work: legit work that ends by itself; never worse than degraded, its cause shown
+LEGIT = [
+    ("a compiler child at full CPU for 60 s", Work("compile", lasts=60.0), SilenceCause.COMPILING),
+    ("a step whose frames move, for 30 s", Work("steps", lasts=30.0), SilenceCause.COMPUTING),
+]
+
+
+@pytest.mark.parametrize(("work", "cause"), [w[1:] for w in LEGIT], ids=[w[0] for w in LEGIT])
+def test_legit_work_that_advances_is_never_worse_than_degraded(
+    work: Work, cause: SilenceCause
+) -> None:
+    assert work.lasts is not None
+    reports = drive(work, AT_TALKER + work.lasts + 20.0, DEFAULTS)
+    assert first_verdict(reports) is None
+    assert talker_states(reports) <= {StageState.HEALTHY, StageState.DEGRADED}
+    assert cause in causes_shown(reports)
+    # Once it beats again its cause is gone with its silence.
+    last = next(s for s in reports[-1].statuses if s.stage == S1)
+    assert last.state is StageState.HEALTHY and last.cause is None, last
+
+
+@pytest.mark.parametrize(
+    ("config", "budget"),
+    [
+        (DetectionConfig(work_timeout=60.0), 60.0),
+        (DetectionConfig(work_timeouts={"compiling": "30s"}), 30.0),
+    ],
+    ids=["work_timeout", "a compiling bound of its own"],
+)
+def test_work_longer_than_its_budget_is_judged_naming_the_work(
+    config: DetectionConfig, budget: float
+) -> None:
+    work = Work("compile")
+    found = first_verdict(drive(work, AT_TALKER + budget + 20.0, config))
+    assert found is not None
+    moment, verdict = found
+    assert verdict.cause is not None and verdict.cause.cause is SilenceCause.COMPILING
+    assert verdict.cause.working and f"past its {budget:g}s budget" in verdict.cause.detail
+    # The silence is read from half the heartbeat timeout after the last beat.
+    assert budget < moment <= budget + 3.0, moment
