@@ -466,7 +466,7 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
                 _text(stage.get("name")),
                 _Cell(state, _STATE_COLOURS.get(state, "")),
                 _age(None if since is None else now - since),
-                _text(evidence[0].get("detail")) if evidence else "-",
+                _why(stage.get("cause"), evidence),
                 shown_pids or "-",
                 "-" if gpu is None else f"{gpu / _MIB:.0f}",
                 _heartbeat_age(_number(stage.get("heartbeat_age_seconds"))),
@@ -491,6 +491,20 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
             row.insert(3, _text(stage.get("host")) + (" (remote)" if stage.get("remote") else ""))
     lines.extend(_table(columns, rows, console.columns, console.colour))
     return lines
+
+
+def _why(cause: Any, evidence: list[Mapping[str, Any]]) -> str:
+    """What a stage's row says of it: what it is doing while silent, else its first
+    evidence."""
+    if isinstance(cause, dict):
+        seconds = _number(cause.get("seconds"))
+        return f"{_text(cause.get('cause'))} {_age(seconds)}: {_text(cause.get('detail'))}"
+    return _text(evidence[0].get("detail")) if evidence else "-"
+
+
+def _cause_text(cause: dict[str, Any]) -> str:
+    working = "advancing" if cause.get("working") else "not advancing"
+    return f"{_text(cause.get('cause'))} ({working}): {_text(cause.get('detail'))}"
 
 
 async def _incidents(client: WatchdogClient, args: argparse.Namespace, console: Console) -> int:
@@ -604,6 +618,9 @@ def _incident_lines(
                 when = f"  at {offset(anchor + verdict_time - first)}"
             name = f"{_text(stage.get('stage_id'))}.{_text(stage.get('replica'))}"
             lines.append(f"  stage {name}  {_text(verdict.get('state'))}{when}")
+            cause = verdict.get("cause")
+            if isinstance(cause, dict):
+                lines.append(f"      cause {_cause_text(cause)}")
             for evidence in (_mapping(e) for e in verdict.get("evidence") or ()):
                 kind, detail = _text(evidence.get("kind")), _text(evidence.get("detail"))
                 lines.append(f"      {kind}: {detail}")

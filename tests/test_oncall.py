@@ -231,6 +231,13 @@ def closed_incident() -> dict[str, Any]:
                         "detail": "no progress for 11.0s with 1 request in flight",
                     }
                 ],
+                "cause": {
+                    "cause": "spinning",
+                    "since": 4995.0,
+                    "working": False,
+                    "detail": "pid 4401: thread 4401 at 100% CPU in the same frames 3 samples"
+                    " running: forward (/models/tiny.py:12)",
+                },
             },
         ],
         "steps": [
@@ -774,6 +781,8 @@ def test_one_incident_with_its_timeline_verdicts_steps_and_stacks(
         "      process_exit: engine pid 4305 (VLLM::EngineCore) exited\n"
         "      heartbeat_lost: no heartbeat for 2.5s\n"
         "  stage 2.0  stalled  at +0.49s\n"
+        "      cause spinning (not advancing): pid 4401: thread 4401 at 100% CPU in the same"
+        " frames 3 samples running: forward (/models/tiny.py:12)\n"
         "      progress_flat: no progress for 11.0s with 1 request in flight\n"
         "\n"
         "steps:\n"
@@ -1117,3 +1126,19 @@ def test_status_of_a_headless_stage_shows_its_master_link(watchdog: FakeWatchdog
         "master    head.svc:29500  DOWN for 12s: master head.svc:29500 refused the connection"
         in result.lines
     )
+
+
+def test_status_says_what_a_silent_stage_is_doing(watchdog: FakeWatchdog) -> None:
+    watchdog.status["stages"][1].update(
+        state="degraded",
+        cause={
+            "cause": "compiling",
+            "since": None,
+            "seconds": 42.0,
+            "working": True,
+            "detail": "g++ pid 123 at 98% CPU",
+        },
+    )
+    result = invoke(["status"], watchdog=watchdog, columns=200)
+    table = result.lines[5:]
+    assert cells(table[2])[3:6] == ["degraded", "12s", "compiling 42s: g++ pid 123 at 98% CPU"]

@@ -952,10 +952,18 @@ def _evidence(report: _Report) -> str:
             )
         when = _time_html(time, reference) if time is not None else _e(_raw_time(raw_time))
         table = _table(("kind", "since", "detail"), rows) if rows else _problem("no evidence")
+        cause = _mapping(verdict.get("cause"))
+        doing = ""
+        if cause:
+            advancing = "its work advancing" if cause.get("working") else "nothing advancing"
+            doing = (
+                f'<p class="cause">Cause: <strong>{_e(_text(cause.get("cause")))}</strong>'
+                f" ({advancing}): {_e(_text(cause.get('detail')))}</p>\n"
+            )
         blocks.append(
             f'<article class="verdict" data-stage="{_e(stage)}" data-state="{_e(state)}">\n'
             f"<h3>Stage {_e(report.stage_label(stage))}: {_badge(state)}</h3>\n"
-            f"<p>Verdict at {when}</p>\n{table}</article>\n"
+            f"<p>Verdict at {when}</p>\n{doing}{table}</article>\n"
         )
     return "".join(blocks)
 

@@ -463,3 +463,23 @@ def test_the_external_reference_check_catches(reference: str) -> None:
 
 def test_the_report_is_the_same_each_time() -> None:
     assert render() == render()
+
+
+def test_a_stalled_verdict_names_what_the_stage_was_doing() -> None:
+    incident = sample_incident()
+    incident["verdicts"][0].update(
+        state="stalled",
+        cause={
+            "cause": "spinning",
+            "since": 100.0,
+            "working": False,
+            "detail": "pid 4101: thread 4101 at 100% CPU in the same frames: <forward>",
+        },
+    )
+    evidence = section(parse(render(incident)), "evidence")
+    (cause,) = evidence.find("p", "cause")
+    (name,) = cause.find("strong")
+    assert name.all_text() == "spinning"
+    # The detail is shown as text, escaped: a frame's name is the stage's to choose.
+    assert "(nothing advancing): pid 4101: thread 4101 at 100% CPU" in cause.all_text()
+    assert "in the same frames: <forward>" in cause.all_text()
