@@ -30,6 +30,20 @@ SLOW_FACTOR = 10.0
 # stays within the default heartbeat and progress timeouts (3 s) with a beat period to spare.
 LONG_STEP_EVERY = 4
 LONG_STEP_S = 1.5
+# compile and jit: the request's forward waits on a child that works at full CPU this
+# long, named as a C++ compiler (compile) or as Python (jit: Triton, DeepGEMM, FlashInfer
+# build in Python children), as a cold torch.compile or a JIT build looks from outside.
+BUILD_S = 12.0
+BUILDER_NAMES = {"compile": "cc1plus", "jit": "python3"}
+# The builder: names itself (the kernel's comm, what /proc and ps show) and burns CPU.
+_BUILDER = """\
+import ctypes, sys, time
+name, seconds = sys.argv[1].encode(), float(sys.argv[2])
+ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    pass
+"""
 BUSY_PERCENT = 90
 WORDS = ("vLLM", "is", "a", "fast", "and", "easy-to-use", "library", "for", "LLM", "inference")
 INDUCTOR_TRACEBACK = """\
@@ -135,6 +149,17 @@ class SimEngine:
             # frozen until it is killed, so it has nothing more to say.
             self._flush_emitter()
             os.kill(os.getpid(), signal.SIGSTOP)
+        for kind in (FaultKind.COMPILE, FaultKind.JIT):
+            if faults.take(kind):
+                name = BUILDER_NAMES[kind.value]
+                logger.info(
+                    "stage %d: %s: waits on %s for %gs",
+                    self.spec.stage_id,
+                    kind.value,
+                    name,
+                    BUILD_S,
+                )
+                subprocess.run([sys.executable, "-c", _BUILDER, name, str(BUILD_S)], check=False)
         if faults.take(FaultKind.SLOW_BUT_ALIVE):
             faults.slow = True
         if faults.take(FaultKind.LONG_STEPS):

@@ -31,6 +31,8 @@ class FaultKind(str, enum.Enum):
     ENGINE_DEAD_EXIT = "engine-dead-exit"
     FROZEN_ENGINE = "frozen-engine"
     LONG_STEPS = "long-steps"
+    COMPILE = "compile"
+    JIT = "jit"
 
 
 GENERATIONS = ("0.11", "0.30")
@@ -45,6 +47,8 @@ REQUEST_TRIGGERED = frozenset(
         FaultKind.ENGINE_DEAD_EXIT,
         FaultKind.FROZEN_ENGINE,
         FaultKind.LONG_STEPS,
+        FaultKind.COMPILE,
+        FaultKind.JIT,
     }
 )
 # Faults of the whole server rather than of one stage.

@@ -27,6 +27,7 @@ from e2e.harness import (
     run_scenario,
     state,
     step,
+    steps_of,
     warmed_up,
     with_fault,
 )
@@ -35,7 +36,16 @@ from omni_watchdog.config import ProbesConfig, merge_layers
 from omni_watchdog.demo import wait_for
 from omni_watchdog.exporters.views import target_health
 from omni_watchdog.log import configure_logging
-from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
+from omni_watchdog.sim.engine import BUILD_S, BUILDER_NAMES
+from omni_watchdog.types import (
+    IncidentOutcome,
+    SilenceCause,
+    StageCause,
+    StageRef,
+    StageState,
+    StepName,
+    StepOutcome,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -366,3 +376,64 @@ def test_without_the_process_probe_the_admin_endpoint_ends_a_stall(tmp_path: Pat
     assert step(incident, StepName.TERMINATE) is None
     assert incident.outcome is IncidentOutcome.RECOVERED_BY_SHUTDOWN
     assert health_status == 503
+
+
+def cause_of(watchdog: Any, stage: StageRef) -> StageCause | None:
+    report = watchdog.state.report
+    statuses = report.statuses if report else ()
+    return next((s.cause for s in statuses if s.stage == stage), None)
+
+
+def test_a_build_for_a_stage_is_waited_for_and_named(tmp_path: Path) -> None:
+    """A compiler child working for the stage's forward: its silence outlasts every
+    timeout of the shared profile, and it is never worse than degraded."""
+
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        (request,) = in_background(server.url)
+        seen: list[StageCause] = []
+
+        def compiling() -> bool:
+            cause = cause_of(watchdog, StageRef(1))
+            if cause is not None:
+                seen.append(cause)
+            return cause is not None and cause.cause is SilenceCause.COMPILING
+
+        await wait_for(compiling, BUILD_S)
+        assert seen[-1].working and "cc1plus pid" in seen[-1].detail, seen[-1]
+        await asyncio.wait_for(request, BUILD_S + 30)
+        assert not watchdog.policy.incidents(), watchdog.policy.incidents()
+        assert state(watchdog, StageRef(1)) in (StageState.HEALTHY, StageState.DEGRADED)
+
+    run(tmp_path, ["1:compile"], "0.30", body, remediated=False)
+
+
+def test_a_build_whose_child_stops_is_a_stall_that_names_the_child(tmp_path: Path) -> None:
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        in_background(server.url)
+
+        def building() -> bool:
+            cause = cause_of(watchdog, StageRef(1))
+            return cause is not None and cause.cause is SilenceCause.WAITING_ON_CHILD
+
+        await wait_for(building, BUILD_S)
+        builders = [
+            child
+            for info in watchdog.tracker.live()
+            if info.stage == StageRef(1)
+            for child in psutil.Process(info.pid).children()
+            if child.name() == BUILDER_NAMES["jit"]
+        ]
+        (builder,) = builders
+        builder.suspend()  # the test's own child of its own server
+        incident = await incident_done(watchdog)
+        (verdict,) = incident.verdicts
+        assert (verdict.stage, verdict.state) == (StageRef(1), StageState.STALLED), verdict
+        assert verdict.cause is not None, verdict
+        assert verdict.cause.cause is SilenceCause.WAITING_ON_CHILD, verdict.cause
+        assert not verdict.cause.working
+        assert f"pid {builder.pid}: stopped (T)" in verdict.cause.detail, verdict.cause
+        assert incident.outcome in RECOVERED, steps_of(incident)
+
+    run(tmp_path, ["1:jit"], "0.30", body)

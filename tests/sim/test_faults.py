@@ -17,7 +17,7 @@ import psutil
 import pytest
 from sim.sim_helpers import CONFIGS, Sim, voluntary_switches, wait_delivered, wait_until
 
-from omni_watchdog.sim.engine import LONG_STEP_EVERY, LONG_STEP_S
+from omni_watchdog.sim.engine import BUILD_S, BUILDER_NAMES, LONG_STEP_EVERY, LONG_STEP_S
 from omni_watchdog.sim.orchestrator import FATAL_EXIT_DELAY_S
 
 pytestmark = pytest.mark.e2e
@@ -220,6 +220,33 @@ def test_long_steps_hold_the_stage_for_one_step_at_a_time(sim: Sim, generation: 
     assert time.monotonic() - began >= 2 * LONG_STEP_S
     assert tokens() == 8
     assert [e["kind"] for e in sim.events()] == ["long-steps"]
+
+
+@pytest.mark.parametrize(("generation", "kind"), [("0.30", "compile"), ("0.11", "jit")])
+def test_a_build_holds_the_request_on_a_child_working_at_full_cpu(
+    sim: Sim, generation: str, kind: str
+) -> None:
+    start(sim, generation, "--fault", f"1:{kind}", "--token-delay", "0.02")
+    tokens = functools.partial(stage_1_tokens, sim)
+    began = time.monotonic()
+    with chat_in_background(sim, BUILD_S + 20) as answers:
+        wait_until(sim.events, 10)
+        (event,) = sim.events()
+        stage_process = psutil.Process(event["pid"])
+
+        def builders() -> list[psutil.Process]:
+            return [c for c in stage_process.children() if c.name() == BUILDER_NAMES[kind]]
+
+        wait_until(builders, 5)
+        (builder,) = builders()
+        ran = builder.cpu_times().user
+        wait_until(lambda: builder.cpu_times().user - ran >= 0.5, 10)
+        # The forward waits on it: the stage makes no step meanwhile.
+        assert tokens() == 0
+        assert sim.get("/health").status == 200
+    assert answers == [200]
+    assert time.monotonic() - began >= BUILD_S
+    assert tokens() == 8
 
 
 @BOTH
