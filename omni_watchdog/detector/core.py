@@ -508,8 +508,9 @@ class Detector:
 
     def silent_stages(self, now: float) -> tuple[StageRef, ...]:
         """The local stage replicas whose processes are worth reading for a cause now: their
-        loop has stopped beating, or their counters stay flat under load, or they are
-        judged unwell already (see `SILENT_SHARE`)."""
+        loop has stopped beating, or their counters stay flat under load (see
+        `SILENT_SHARE`), or they are judged stalled. A slow stage that beats and moves is
+        not read: the watchdog's cost grows only with silence."""
         return tuple(
             ref
             for ref, memory in self._stages.items()
@@ -741,7 +742,7 @@ class Detector:
             flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
             if now - flat_from > SILENT_SHARE * config.progress_timeout:
                 return True
-        return memory.state in (StageState.DEGRADED, StageState.STALLED)
+        return memory.state is StageState.STALLED
 
     def _update_cause(self, memory: _StageMemory, now: float) -> StageCause | None:
         """The stage's cause from the latest fresh findings of its live processes, kept with

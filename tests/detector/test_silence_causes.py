@@ -241,3 +241,22 @@ def test_work_longer_than_its_budget_is_judged_naming_the_work(
     assert verdict.cause.working and f"past its {budget:g}s budget" in verdict.cause.detail
     # The silence is read from half the heartbeat timeout after the last beat.
     assert budget < moment <= budget + 3.0, moment
+
+
+def test_only_a_silent_stage_is_read() -> None:
+    clock = FakeClock()
+    detector = Detector(DEFAULTS, PIPELINE, clock.monotonic())
+    beat_until = 10.0
+    read: list[tuple[float, tuple[StageRef, ...]]] = []
+    start = clock.monotonic()
+    for _ in range(int(14.0 / STEP)):
+        now = clock.monotonic()
+        elapsed = now - start
+        if elapsed <= beat_until and elapsed % 1.0 == 0:
+            detector.observe([Observation(ObservationKind.HEARTBEAT, now, stage=S1)])
+        read.append((elapsed, detector.silent_stages(now)))
+        clock.advance(STEP)
+    silence_read_from = beat_until + 0.5 * DEFAULTS.heartbeat_timeout
+    # S0 and S2 never beat: nothing tells of their silence, so nothing reads them.
+    assert all(stages == () for now, stages in read if now <= silence_read_from)
+    assert all(stages == (S1,) for now, stages in read if now > silence_read_from)
