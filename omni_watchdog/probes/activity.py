@@ -59,15 +59,16 @@ def read_activity(
     now: float,
     proc: Path = process_start.PROC,
     stacks: Mapping[int, tuple[str, ...]] | None = None,
+    table: ProcessTableReading | None = None,
 ) -> ProcessActivity | None:
     """One reading of `pid`'s threads and descendants at `now`; None once it is gone.
-    `stacks`, by thread id, where they were sampled."""
+    `stacks`, by thread id, where they were sampled; `table`, a pass over the process
+    table already made for this round (one is made when not given)."""
     threads = _threads(pid, proc, stacks or {})
     if not threads:
         return None
-    return ProcessActivity(
-        pid, now, threads, _descendants(pid, proc), stacks_read=stacks is not None
-    )
+    children = (table or read_process_table(proc)).descendants(pid)
+    return ProcessActivity(pid, now, threads, children, stacks_read=stacks is not None)
 
 
 async def sample_stacks(
@@ -129,15 +130,22 @@ class ActivityProbe:
             and info.role in _STAGE_ROLES
             and info.status not in (ProcessStatus.ZOMBIE, ProcessStatus.EXITED)
         ]
-        observations = []
-        for info in readable[:MAX_PROCESSES_READ]:
-            stacks = await self._stacks(info.pid)
-            now = self._clock.monotonic()
-            reading = await asyncio.to_thread(read_activity, info.pid, now, self._proc, stacks)
-            if reading is not None:
-                observations.append(
-                    Observation(ObservationKind.ACTIVITY, now, info.stage, activity=reading)
-                )
+        chosen = readable[:MAX_PROCESSES_READ]
+        # Stacks first, then the kernel's view of every chosen process in one pass: their
+        # CPU times, and their children's, are then read at one moment.
+        stacks = {info.pid: await self._stacks(info.pid) for info in chosen}
+        now = self._clock.monotonic()
+
+        def read_all() -> list[ProcessActivity | None]:
+            table = read_process_table(self._proc)
+            return [read_activity(i.pid, now, self._proc, stacks[i.pid], table) for i in chosen]
+
+        readings = await asyncio.to_thread(read_all)
+        observations = [
+            Observation(ObservationKind.ACTIVITY, now, info.stage, activity=reading)
+            for info, reading in zip(chosen, readings, strict=True)
+            if reading is not None
+        ]
         kept = {info.pid for info in readable}
         self._sampled_at = {pid: at for pid, at in self._sampled_at.items() if pid in kept}
         return observations
@@ -209,33 +217,42 @@ def _threads(
     return tuple(threads)
 
 
-def _descendants(pid: int, proc: Path) -> tuple[ChildActivity, ...]:
-    """Every descendant of `pid`, nearest first, from one pass over the process table."""
-    children: dict[int, list[tuple[int, str, list[str]]]] = {}
+class ProcessTableReading:
+    """One pass over /proc: each process's command name, state and CPU time, by parent."""
+
+    def __init__(self, by_parent: Mapping[int, Sequence[tuple[int, str, list[str]]]]) -> None:
+        self._by_parent = by_parent
+
+    def descendants(self, pid: int) -> tuple[ChildActivity, ...]:
+        """Every descendant of `pid`, nearest first, at most `MAX_CHILDREN_READ`."""
+        found: list[ChildActivity] = []
+        parents = [pid]
+        while parents and len(found) < MAX_CHILDREN_READ:
+            below: list[int] = []
+            for parent in parents:
+                for child, command, fields in sorted(self._by_parent.get(parent, ())):
+                    ticks = int(fields[_UTIME]) + int(fields[_STIME])
+                    seconds = ticks / process_start.CLOCK_TICKS
+                    found.append(ChildActivity(child, command, fields[_STATE], seconds))
+                    below.append(child)
+            parents = below
+        return tuple(found[:MAX_CHILDREN_READ])
+
+
+def read_process_table(proc: Path = process_start.PROC) -> ProcessTableReading:
+    by_parent: dict[int, list[tuple[int, str, list[str]]]] = {}
     try:
         names = os.listdir(proc)
     except OSError:
-        return ()
+        names = []
     for name in names:
         if not name.isdigit():
             continue
         read = _stat_with_name(proc / name)
         if read is not None:
             command, fields = read
-            children.setdefault(int(fields[_PPID]), []).append((int(name), command, fields))
-    found: list[ChildActivity] = []
-    parents = [pid]
-    while parents and len(found) < MAX_CHILDREN_READ:
-        below: list[int] = []
-        for parent in parents:
-            for child, command, fields in sorted(children.get(parent, [])):
-                ticks = int(fields[_UTIME]) + int(fields[_STIME])
-                found.append(
-                    ChildActivity(child, command, fields[_STATE], ticks / process_start.CLOCK_TICKS)
-                )
-                below.append(child)
-        parents = below
-    return tuple(found[:MAX_CHILDREN_READ])
+            by_parent.setdefault(int(fields[_PPID]), []).append((int(name), command, fields))
+    return ProcessTableReading(by_parent)
 
 
 def _stat_fields(directory: Path) -> list[str] | None:

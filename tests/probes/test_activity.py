@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -12,15 +13,26 @@ from collections.abc import Iterator
 
 import pytest
 
+from omni_watchdog.clock import FakeClock
 from omni_watchdog.detector.causes import process_cause
 from omni_watchdog.policy.capture import find_py_spy
 from omni_watchdog.probes.activity import (
+    STACK_EVERY,
+    ActivityProbe,
     StackError,
     parse_py_spy_json,
     read_activity,
     sample_stacks,
 )
-from omni_watchdog.types import ProcessActivity, SilenceCause
+from omni_watchdog.types import (
+    Observation,
+    ProcessActivity,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStatus,
+    SilenceCause,
+    StageRef,
+)
 
 # A parent that waits on a child busy-looping: how a stage waits on a compiler.
 PARENT_OF_A_BUSY_CHILD = (
@@ -170,3 +182,56 @@ def test_py_spy_sees_a_spinning_thread_in_its_frame(
 def test_a_py_spy_dump_that_cannot_be_read_says_why(text: str, reason: str) -> None:
     with pytest.raises(StackError, match=reason):
         parse_py_spy_json(text)
+
+
+def test_the_probe_reads_only_silent_stages_and_samples_stacks_at_its_pace(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    pid = start(started, SPINNER)
+    clock = FakeClock()
+    silent: list[StageRef] = []
+    info = ProcessInfo(
+        pid,
+        1.0,
+        os.getpid(),
+        pid,
+        pid,
+        "worker",
+        ProcessStatus.RUNNING,
+        0.0,
+        ProcessRole.WORKER,
+        StageRef(1),
+    )
+    samples: list[list[str]] = []
+    answers = [
+        (0, json.dumps([{"os_thread_id": pid, "frames": [{"name": "spin_here"}]}])),
+        (1, "Error: failed to read the stack"),
+    ]
+
+    async def run(argv: list[str], timeout: float) -> tuple[int | None, str]:
+        samples.append(argv)
+        return answers[len(samples) - 1]
+
+    probe = ActivityProbe(clock, lambda now: tuple(silent), lambda: [info], "py-spy", run)
+
+    async def rounds() -> list[list[Observation]]:
+        seen = [list(await probe.collect())]  # the stage beats: nothing is read
+        silent.append(StageRef(1))
+        seen.append(list(await probe.collect()))  # read, with a stack sample
+        clock.advance(STACK_EVERY / 2)
+        seen.append(list(await probe.collect()))  # read, its stacks not due yet
+        clock.advance(STACK_EVERY)
+        seen.append(list(await probe.collect()))  # read; the sample fails
+        return seen
+
+    quiet, first, second, third = asyncio.run(rounds())
+    assert quiet == [] and len(samples) == 2
+    for (observation,) in (first, second, third):
+        assert observation.stage == StageRef(1) and observation.activity is not None
+        assert observation.activity.pid == pid
+    assert first[0].activity is not None and first[0].activity.stacks_read
+    main = next(t for t in first[0].activity.threads if t.tid == pid)
+    assert main.frames == ("spin_here (?:?)",)
+    assert second[0].activity is not None and not second[0].activity.stacks_read
+    assert third[0].activity is not None and not third[0].activity.stacks_read
+    assert probe.stack_failures == 1 and "failed to read the stack" in probe.last_stack_error
