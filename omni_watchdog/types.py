@@ -81,8 +81,8 @@ class SilenceCause(str, enum.Enum):
 class ThreadActivity:
     """One thread as the kernel shows it: its state letter (`R`, `S`, `D`, `T`, `t`, `Z`),
     the kernel function it sleeps in ("" where not shown), its CPU time and its time spent
-    runnable waiting for a CPU, and its Python frames, innermost first, where its stack was
-    read (`function (file:line)`)."""
+    runnable waiting for a CPU; and where its stack was sampled, its Python frames,
+    innermost first (`function (file:line)`), and whether it held the GIL."""
 
     tid: int
     state: str
@@ -90,6 +90,9 @@ class ThreadActivity:
     cpu_seconds: float
     cpu_wait_seconds: float
     frames: tuple[str, ...] = ()
+    # It held Python's GIL when its stack was sampled: running Python code, not waiting in
+    # a native call (a tensor operation releases the GIL; a loop in Python never does).
+    owns_gil: bool = False
 
 
 @dataclass(frozen=True)

@@ -93,10 +93,12 @@ CHILD_WAIT_CHANNELS = frozenset(
         "wait_for_vfork_done",
     }
 )
-# A thread busy in the same frames in this many stack samples running is spinning; with
-# fewer samples its frames say nothing yet. Three, so that work dominated by one line (a
-# long operator in a loop of them) is rarely caught on it in every sample.
+# A thread busy holding the GIL in the same frames in every stack sample of its silence,
+# at least SPIN_SAMPLES of them, is spinning; with fewer its frames say nothing yet. The
+# samples looked at are the latest SAMPLES_KEPT: once its frames moved, it takes that many
+# in a row on one line, not three, so Python work that dwells on one line is not caught.
 SPIN_SAMPLES = 3
+SAMPLES_KEPT = 10
 # The stopped states: T (SIGSTOP) and t (a tracer's stop).
 _STOPPED_STATES = frozenset("Tt")
 
@@ -135,8 +137,9 @@ def process_cause(
     sampled: Sequence[ProcessActivity] = (),
 ) -> CauseFinding:
     """What the process read at `before` and again at `after` is doing. `sampled`: the
-    readings with stacks before `after`, oldest first, for telling a spin (the same frames
-    sample after sample) from work whose frames move."""
+    readings with stacks before `after` in this silence, oldest first (the latest
+    SAMPLES_KEPT count), for telling a spin (the same frames sample after sample) from
+    work whose frames move."""
     interval = after.time - before.time
     if interval <= 0:
         return CauseFinding(SilenceCause.UNKNOWN, False, f"pid {after.pid}: one reading only")
@@ -276,28 +279,42 @@ def _busy_finding(
             SilenceCause.DEVICE_WAIT, False, f"pid {after.pid} at {share} in {frame}"
         )
     where = frames[0] if frames else "no Python frame"
-    earlier = [_frames_of(reading, thread.tid) for reading in before[-(SPIN_SAMPLES - 1) :]]
-    if len(earlier) < SPIN_SAMPLES - 1:
+    window = [_sample_of(reading, thread.tid) for reading in (*before, latest)]
+    window = window[-SAMPLES_KEPT:]
+    if len(window) < SPIN_SAMPLES:
         return CauseFinding(
             SilenceCause.UNKNOWN,
             False,
             f"pid {after.pid}: thread {thread.tid} at {share} in {where},"
-            f" its stack sampled {len(earlier) + 1} of {SPIN_SAMPLES} times",
+            f" its stack sampled {len(window)} of {SPIN_SAMPLES} times",
         )
-    if all(earlier_frames == frames for earlier_frames in earlier):
+    if any(sample is None or sample.frames != frames for sample in window):
+        return CauseFinding(
+            SilenceCause.COMPUTING, True, f"pid {after.pid} at {share}, its frames moving: {where}"
+        )
+    if all(sample is not None and sample.owns_gil for sample in window):
         return CauseFinding(
             SilenceCause.SPINNING,
             False,
-            f"pid {after.pid}: thread {thread.tid} at {share} in the same frames"
-            f" {SPIN_SAMPLES} samples running: {where}",
+            f"pid {after.pid}: thread {thread.tid} at {share} in the same frames, holding"
+            f" the GIL, {len(window)} samples running: {where}",
         )
+    # The same Python frame without the GIL: one long native call (a large tensor
+    # operation), which advances where a loop in Python would hold the GIL throughout.
     return CauseFinding(
-        SilenceCause.COMPUTING, True, f"pid {after.pid} at {share}, its frames moving: {where}"
+        SilenceCause.COMPUTING,
+        True,
+        f"pid {after.pid} at {share} in one native call, {len(window)} samples running: {where}",
     )
 
 
+def _sample_of(reading: ProcessActivity, tid: int) -> ThreadActivity | None:
+    return next((t for t in reading.threads if t.tid == tid), None)
+
+
 def _frames_of(reading: ProcessActivity, tid: int) -> tuple[str, ...] | None:
-    return next((t.frames for t in reading.threads if t.tid == tid), None)
+    sample = _sample_of(reading, tid)
+    return sample.frames if sample is not None else None
 
 
 def _busy(

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from omni_watchdog.config import DetectionConfig
-from omni_watchdog.detector.causes import SPIN_SAMPLES, CauseFinding, process_cause, stage_cause
+from omni_watchdog.detector.causes import SAMPLES_KEPT, CauseFinding, process_cause, stage_cause
 from omni_watchdog.detector.expectations import (
     BlindSpells,
     PendingRequest,
@@ -139,7 +139,7 @@ class _ActivityMemory:
     latest ones with stacks (for telling a spin), and what the last two said."""
 
     latest: ProcessActivity
-    sampled: deque[ProcessActivity] = field(default_factory=lambda: deque(maxlen=SPIN_SAMPLES))
+    sampled: deque[ProcessActivity] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
     finding: CauseFinding | None = None
 
 

@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from omni_watchdog import process_start
 from omni_watchdog.types import (
@@ -50,6 +50,13 @@ _STAGE_ROLES = (ProcessRole.STAGE, ProcessRole.ENGINE, ProcessRole.WORKER)
 StackRunner = Callable[[list[str], float], Awaitable[tuple[int | None, str]]]
 
 
+class ThreadStack(NamedTuple):
+    """One thread's sample: its Python frames, innermost first, and whether it held the GIL."""
+
+    frames: tuple[str, ...]
+    owns_gil: bool
+
+
 class StackError(ValueError):
     """py-spy's output could not be read as its JSON dump, with the reason."""
 
@@ -58,7 +65,7 @@ def read_activity(
     pid: int,
     now: float,
     proc: Path = process_start.PROC,
-    stacks: Mapping[int, tuple[str, ...]] | None = None,
+    stacks: Mapping[int, ThreadStack] | None = None,
     table: ProcessTableReading | None = None,
 ) -> ProcessActivity | None:
     """One reading of `pid`'s threads and descendants at `now`; None once it is gone.
@@ -73,7 +80,7 @@ def read_activity(
 
 async def sample_stacks(
     py_spy: str, pid: int, timeout: float, run: StackRunner
-) -> dict[int, tuple[str, ...]]:
+) -> dict[int, ThreadStack]:
     """The Python frames of each thread of `pid`, innermost first, without pausing it
     (py-spy's non-blocking dump: a sample may be torn, never the stage held)."""
     code, output = await run(
@@ -150,7 +157,7 @@ class ActivityProbe:
         self._sampled_at = {pid: at for pid, at in self._sampled_at.items() if pid in kept}
         return observations
 
-    async def _stacks(self, pid: int) -> dict[int, tuple[str, ...]] | None:
+    async def _stacks(self, pid: int) -> dict[int, ThreadStack] | None:
         now = self._clock.monotonic()
         last = self._sampled_at.get(pid)
         if self._py_spy is None or (last is not None and now - last < self._stack_every):
@@ -164,16 +171,15 @@ class ActivityProbe:
             return None
 
 
-def parse_py_spy_json(text: str) -> dict[int, tuple[str, ...]]:
-    """py-spy's `dump --json` as {os thread id: ("function (file:line)", …)}, innermost
-    first."""
+def parse_py_spy_json(text: str) -> dict[int, ThreadStack]:
+    """py-spy's `dump --json` as {os thread id: its sample}."""
     try:
         document: Any = json.loads(text)
     except json.JSONDecodeError as error:
         raise StackError(f"not JSON: {error}") from None
     if not isinstance(document, list):
         raise StackError("not a list of threads")
-    stacks: dict[int, tuple[str, ...]] = {}
+    stacks: dict[int, ThreadStack] = {}
     for thread in document:
         if not isinstance(thread, dict):
             raise StackError("a thread that is not an object")
@@ -181,23 +187,23 @@ def parse_py_spy_json(text: str) -> dict[int, tuple[str, ...]]:
         frames = thread.get("frames")
         if not isinstance(tid, int) or not isinstance(frames, list):
             raise StackError("a thread without os_thread_id or frames")
-        stacks[tid] = tuple(
+        named = tuple(
             f"{frame.get('name', '?')} ({frame.get('filename', '?')}:{frame.get('line', '?')})"
             for frame in frames[:MAX_FRAMES_KEPT]
             if isinstance(frame, dict)
         )
+        stacks[tid] = ThreadStack(named, thread.get("owns_gil") is True)
     return stacks
 
 
-def _threads(
-    pid: int, proc: Path, stacks: Mapping[int, tuple[str, ...]]
-) -> tuple[ThreadActivity, ...]:
+def _threads(pid: int, proc: Path, stacks: Mapping[int, ThreadStack]) -> tuple[ThreadActivity, ...]:
     tasks = proc / str(pid) / "task"
     try:
         tids = sorted(int(name) for name in os.listdir(tasks))
     except (OSError, ValueError):
         return ()
     threads = []
+    unsampled = ThreadStack((), False)
     for tid in tids[:MAX_THREADS_READ]:
         directory = tasks / str(tid)
         fields = _stat_fields(directory)
@@ -211,7 +217,7 @@ def _threads(
                 _wait_channel(directory),
                 run_and_wait[0],
                 run_and_wait[1],
-                stacks.get(tid, ()),
+                *stacks.get(tid, unsampled),
             )
         )
     return tuple(threads)

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from omni_watchdog.detector.causes import SPIN_SAMPLES, CauseFinding, process_cause, stage_cause
+from omni_watchdog.detector.causes import (
+    SAMPLES_KEPT,
+    SPIN_SAMPLES,
+    CauseFinding,
+    process_cause,
+    stage_cause,
+)
 from omni_watchdog.types import ChildActivity, ProcessActivity, SilenceCause, ThreadActivity
 
 PID = 100
@@ -30,6 +36,7 @@ class Thread:
     frames: tuple[str, ...] = ()
     frames_before: tuple[str, ...] | None = None  # None: the same as now
     tid: int = PID
+    gil: bool = False  # it held the GIL in every sample
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,9 @@ def readings(
     for thread in threads:
         frames_before = thread.frames if thread.frames_before is None else thread.frames_before
         before_threads.append(
-            ThreadActivity(thread.tid, thread.state, thread.wchan, 10.0, 1.0, frames_before)
+            ThreadActivity(
+                thread.tid, thread.state, thread.wchan, 10.0, 1.0, frames_before, thread.gil
+            )
         )
         after_threads.append(
             ThreadActivity(
@@ -63,6 +72,7 @@ def readings(
                 10.0 + thread.ran,
                 1.0 + thread.waited,
                 thread.frames,
+                thread.gil,
             )
         )
     before_children = tuple(
@@ -170,11 +180,20 @@ CASES = {
         False,
         "asleep in synchronize",
     ),
-    "busy in the same frames in both samples is spinning": (
-        readings((Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP)),), stacks=True),
+    "busy holding the GIL in the same frames in every sample is spinning": (
+        readings(
+            (Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP), gil=True),),
+            stacks=True,
+        ),
         SilenceCause.SPINNING,
         False,
-        "in the same frames 3 samples running: forward",
+        "in the same frames, holding the GIL, 3 samples running: forward",
+    ),
+    "busy in the same frames without the GIL is one long native call, advancing": (
+        readings((Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP)),), stacks=True),
+        SilenceCause.COMPUTING,
+        True,
+        "in one native call, 3 samples running: forward",
     ),
     "busy with frames that move is computing, advancing": (
         readings(
@@ -219,7 +238,7 @@ CASES = {
         readings(
             (
                 Thread(tid=PID, wchan="futex_do_wait", frames=(QUEUE_WAIT,)),
-                Thread(tid=PID + 1, state="R", wchan="", ran=1.8, frames=(FORWARD,)),
+                Thread(tid=PID + 1, state="R", wchan="", ran=1.8, frames=(FORWARD,), gil=True),
             ),
             stacks=True,
         ),
@@ -276,3 +295,19 @@ def test_a_stage_cause_from_its_processes(name: str) -> None:
 
 def test_a_stage_with_no_process_read_has_an_unknown_cause() -> None:
     assert stage_cause([]).cause is SilenceCause.UNKNOWN
+
+
+def test_once_its_frames_moved_a_few_samples_on_one_line_are_no_spin() -> None:
+    """Python work that dwells on one line is not a spin for it: after its frames moved in
+    this silence, it takes SAMPLES_KEPT samples in a row on one line."""
+    spinning = Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP), gil=True)
+    moved = Thread(state="R", wchan="", ran=2.0, frames=("softmax (/models/tiny.py)",), gil=True)
+    before, after, _ = readings((spinning,), stacks=True)
+    earliest = readings((moved,), stacks=True)[1]
+    # The latest sample is `after`: with `on_one_line - 1` before it, on its line.
+    for on_one_line in range(SPIN_SAMPLES, SAMPLES_KEPT):
+        sampled = (earliest, *(after,) * (on_one_line - 1))
+        finding = process_cause(before, after, sampled)
+        assert finding.cause is SilenceCause.COMPUTING and finding.working, (on_one_line, finding)
+    sampled = (earliest, *(after,) * (SAMPLES_KEPT - 1))
+    assert process_cause(before, after, sampled).cause is SilenceCause.SPINNING

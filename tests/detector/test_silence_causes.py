@@ -83,7 +83,8 @@ class Work:
             # A spin stays on one line; a step's frames move from sample to sample.
             line = 12 if self.kind == "spin" else 10 + int(since) % 7
             frames = (FORWARD.format(line=line), EXECUTE) if stacks else ()
-            main = ThreadActivity(201, "R", "", 5.0 + worked, 0.1, frames)
+            # Both run Python (hold the GIL), as the harness's spin and slow step do.
+            main = ThreadActivity(201, "R", "", 5.0 + worked, 0.1, frames, owns_gil=stacks)
             return ProcessActivity(201, now, (main,), (), stacks)
         frames = ("wait (/usr/lib/python3.11/threading.py:327)", EXECUTE) if stacks else ()
         channel = "do_wait" if self.kind == "compile" else "futex_do_wait"

@@ -161,7 +161,7 @@ def test_py_spy_sees_a_spinning_thread_in_its_frame(
                 # knows: it has no stacks then and samples again later.
                 seen.append((f"failed: {error}",))
                 continue
-            seen.append(stacks.get(pid, ()))
+            seen.append(stacks[pid].frames if pid in stacks else ())
             if seen[-1] and seen[-1][0].startswith("spin_here ("):
                 return seen
         raise AssertionError(f"py-spy never showed the main thread spinning: {seen[-3:]}")
