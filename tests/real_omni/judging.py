@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import aiohttp
+from e2e.harness import FAST
 from real_vllm.client import chat
 from real_vllm.server import VllmServer
 
+from omni_watchdog.config import load_config
 from omni_watchdog.types import StageRef, StepName
 
 
@@ -41,3 +44,22 @@ async def wait_for_async(probe: Callable[[], Any], timeout: float) -> None:
         if time.monotonic() >= deadline:
             raise TimeoutError(f"condition not met within {timeout:g}s")
         await asyncio.sleep(0.25)
+
+
+def shipped() -> dict[str, Any]:
+    """The detection thresholds and the canary as they ship: what is claimed is what a user
+    gets. Judging starts as early as in the fault tests. On two cores shared with a second
+    server, a healthy real stage fell silent for 2 s with the canary waiting at it, which
+    the fault tests' short timeouts judge, and these tests are in enforce mode."""
+    defaults = load_config(environ={})
+    return {
+        "detection": {
+            name: f"{value:g}s" if isinstance(value, float) else value
+            for name, value in asdict(defaults.detection).items()
+            if name in FAST["detection"] and name != "startup_grace"
+        },
+        "probes": {
+            "canary_interval": f"{defaults.probes.canary_interval:g}s",
+            "canary_deadline": f"{defaults.probes.canary_deadline:g}s",
+        },
+    }

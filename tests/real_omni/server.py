@@ -73,6 +73,8 @@ class Faults:
         # half-written word (`slow:` without its seconds would make the forward raise).
         staged = self.directory / f".stage-{stage_id}.new"
         staged.write_text(word)
+        # A one-forward fault armed again fires again.
+        (self.directory / f"stage-{stage_id}.fired").unlink(missing_ok=True)
         staged.replace(self.directory / f"stage-{stage_id}")
 
     def disarm(self, stage_id: int) -> None:

@@ -11,20 +11,19 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from e2e.harness import (
-    FAST,
     OPERATOR_TOKEN,
     described,
     note_worse_than_degraded,
     oncall,
     worse_than_degraded,
 )
+from real_omni.judging import shipped
 from real_omni.server import STAGES, OmniServer, engine_of, watched
 from real_vllm.client import (
     LONG_REQUEST,
@@ -47,25 +46,6 @@ from omni_watchdog.types import (
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 LOAD_SECONDS = 180.0
-
-
-def shipped() -> dict[str, Any]:
-    """The detection thresholds and the canary as they ship: what is claimed is what a user
-    gets. Judging starts as early as in the fault tests. On two cores shared with a second
-    server, a healthy real stage fell silent for 2 s with the canary waiting at it, which
-    the fault tests' short timeouts judge, and these tests are in enforce mode."""
-    shipped = load_config(environ={})
-    return {
-        "detection": {
-            name: f"{value:g}s" if isinstance(value, float) else value
-            for name, value in asdict(shipped.detection).items()
-            if name in FAST["detection"] and name != "startup_grace"
-        },
-        "probes": {
-            "canary_interval": f"{shipped.probes.canary_interval:g}s",
-            "canary_deadline": f"{shipped.probes.canary_deadline:g}s",
-        },
-    }
 
 
 async def get_json(session: aiohttp.ClientSession, url: str) -> Any:

@@ -45,12 +45,14 @@ def chat_body(max_tokens: int, stream: bool = False) -> dict[str, Any]:
     }
 
 
-async def answer(session: aiohttp.ClientSession, url: str, max_tokens: int = 8) -> tuple[int, str]:
+async def answer(
+    session: aiohttp.ClientSession, url: str, max_tokens: int = 8, timeout: float = 60.0
+) -> tuple[int, str]:
     """A chat completion's status, and the start of its body when it failed."""
     async with session.post(
         url + "/v1/chat/completions",
         json=chat_body(max_tokens),
-        timeout=aiohttp.ClientTimeout(total=60),
+        timeout=aiohttp.ClientTimeout(total=timeout),
     ) as response:
         body = await response.text()
         return response.status, "" if response.status == 200 else body[:500]

@@ -7,17 +7,31 @@
 - `exit`: the worker exits with status 1;
 - `signal:<NAME>`: the worker sends itself that signal (`signal:ILL` is the SIGILL seen on
   a first forward with bfloat16 kernels);
-- `slow:<seconds>`: every forward takes that much longer (a slow but healthy stage).
+- `slow:<seconds>`: every forward takes that much longer (a slow but healthy stage);
+- `spin`: the forward busy-loops in one Python frame, for good;
+- `jit:<seconds>`: one forward waits on a child process working at full CPU for that long
+  (how nvcc, ptxas, Triton or FlashInfer JIT builds look from outside);
+- `compile`: one forward runs a real `torch.compile` of a new function on a fresh
+  Inductor cache (Python code generation here, `g++` in child processes);
+- `slow-step:<seconds>`: one forward does that much CPU work (tensor operations in a
+  Python loop), then goes on.
 
 No file, an empty one or an unknown word: no fault. The test writes the file; nothing
-here ever deletes it.
+here ever deletes it. The one-forward faults write `stage-<S>.fired` with their word once
+they fired, and do not fire again for the same word.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 FAULTS_ENV = "OMNI_CPU_HARNESS_FAULTS"
@@ -54,3 +68,65 @@ def strike(stage_id: int) -> None:
         os.kill(os.getpid(), signal.Signals[f"SIG{argument.upper()}"])
     elif kind == "slow":
         threading.Event().wait(float(argument))
+    elif kind == "spin":
+        _spin()
+    elif kind == "jit":
+        _once(stage_id, word, lambda: _wait_on_a_busy_child(float(argument)))
+    elif kind == "compile":
+        _once(stage_id, word, _compile_a_new_function)
+    elif kind == "slow-step":
+        _once(stage_id, word, lambda: _work(float(argument)))
+
+
+def _once(stage_id: int, word: str, fault: Callable[[], None]) -> None:
+    directory = Path(os.environ[FAULTS_ENV])
+    fired = directory / f"stage-{stage_id}.fired"
+    try:
+        if fired.read_text() == word:
+            return
+    except OSError:
+        pass
+    fired.write_text(word)
+    fault()
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+_BUSY_CHILD = """\
+import sys, time
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    pass
+"""
+
+
+def _wait_on_a_busy_child(seconds: float) -> None:
+    subprocess.run([sys.executable, "-c", _BUSY_CHILD, str(seconds)], check=True)
+
+
+def _compile_a_new_function() -> None:
+    # Imported here: only a forward armed with `compile` pays for it.
+    import torch
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="harness-inductor-")
+    # A constant of its own makes a function no cache has seen.
+    salt = float(uuid.uuid4().int % 1000) / 1000.0
+
+    def fresh(x: torch.Tensor) -> torch.Tensor:
+        return (torch.sin(x) * salt + torch.cos(x)).relu().sum()
+
+    torch.compile(fresh, backend="inductor")(torch.randn(64, 64))
+
+
+def _work(seconds: float) -> None:
+    import torch
+
+    x = torch.randn(128, 128)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        y = x @ x
+        y = torch.softmax(y, dim=-1)
+        x = y / (y.norm() + 1.0)
