@@ -25,9 +25,13 @@ real-server tests' settings: stage 1 a quarter of a second slower each forward, 
 clients back to back, a burst of six more every minute, and one client that abandons each
 request after 0.2 to 3 s. Every incident would be a false remediation.
 
-    python benchmarks/bench_real_omni.py [--runs 20] [--fault block --fault raise --fault kill]
-        [--bf16-starts 3] [--rounds 8] [--soak-seconds 600]
-        [--only faults|overhead|bf16|soak]
+Legit work: stage 1's forward compiles (a real torch.compile), waits on a JIT build in a
+child, or computes for 20 s, each longer than every shipped timeout, with a watchdog in
+enforce mode at the shipped thresholds: each incident would be a false remediation.
+
+    python benchmarks/bench_real_omni.py [--runs 20] [--fault block --fault spin ...]
+        [--bf16-starts 3] [--rounds 8] [--soak-seconds 600] [--legit-runs 5]
+        [--only faults|overhead|bf16|soak|legit]
 """
 
 from __future__ import annotations
@@ -85,12 +89,28 @@ from watchdog_process import start_watchdog
 from omni_watchdog.config import WatchdogConfig
 from omni_watchdog.demo import closed_incident, free_port, wait_for
 from omni_watchdog.instrument.telemetry import DEFAULT_HEARTBEAT_INTERVAL_S, HEARTBEAT_INTERVAL_ENV
-from omni_watchdog.types import EvidenceKind, Incident, StageRef, StageState, StepName
+from omni_watchdog.types import (
+    EvidenceKind,
+    Incident,
+    SilenceCause,
+    StageRef,
+    StageState,
+    StepName,
+)
 
 FAULTS_SECTION = "Real vLLM-Omni: detection and release"
 STARTS_SECTION = "Real vLLM-Omni: first requests after start"
 OVERHEAD_SECTION = "Real servers: plugin overhead"
 SOAK_SECTION = "Real vLLM-Omni: never-wrong soak"
+LEGIT_SECTION = "Real vLLM-Omni: legit work is never remediated"
+# Stage 1's forward, armed once per run, each longer than every shipped timeout: what it
+# does, and the cause the watchdog should name while it lasts.
+LEGIT_WORK = (
+    ("compile", "a real torch.compile on a cold Inductor cache", SilenceCause.COMPILING),
+    ("jit:20", "a 20 s wait on a child at full CPU (a JIT build)", SilenceCause.WAITING_ON_CHILD),
+    ("slow-step:20", "20 s of tensor work in one forward", SilenceCause.COMPUTING),
+)
+LEGIT_LIMIT_S = 300.0
 SOAK_BURST = 6
 SOAK_BURST_EVERY = 60.0
 TREE_GONE_TARGET_S = 15.0
@@ -138,6 +158,7 @@ class Fault:
 
 FAULTS = (
     Fault("block", "blocked forward in stage 1", 1, StageState.STALLED, 4.0),
+    Fault("spin", "forward spinning in one frame in stage 1", 1, StageState.STALLED, 15.0),
     Fault("raise", "forward raising in stage 2", 2, StageState.DEAD, 1.5),
     Fault("kill", "SIGKILL of stage 1's engine core", 1, StageState.DEAD, 1.5),
 )
@@ -912,9 +933,117 @@ def run_soak(
     ]
 
 
+@dataclass
+class LegitRun:
+    """One run of one kind of legit work on a server that should be left alone."""
+
+    status: int | None = None
+    seconds: float = 0.0
+    worse: list[str] = field(default_factory=list)
+    causes: set[str] = field(default_factory=set)
+    incidents: int = 0
+
+
+async def legit_run(watchdog: Any, server: VllmServer, faults: Any, word: str) -> LegitRun:
+    run = LegitRun()
+    talker = StageRef(1)
+
+    async def watch() -> None:
+        while True:
+            run.worse += worse_than_degraded(watchdog, STAGES)
+            status = stage_status(watchdog, talker)
+            if status is not None and status.cause is not None:
+                run.causes.add(status.cause.cause.value)
+            await asyncio.sleep(0.25)
+
+    async with aiohttp.ClientSession() as session:
+        watcher = asyncio.create_task(watch())
+        faults.arm(talker.stage_id, word)
+        begun = time.monotonic()
+        try:
+            run.status, _ = await answer(session, server.url, timeout=LEGIT_LIMIT_S)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            print(f"  {word}: the request failed: {error!r}", file=sys.stderr)
+        finally:
+            run.seconds = time.monotonic() - begun
+            faults.disarm(talker.stage_id)
+            watcher.cancel()
+    run.incidents = len(watchdog.policy.incidents())
+    return run
+
+
+def run_legit_work(
+    runs: int, model: Path, workdir: Path, tally: Tally
+) -> list[tuple[str, str, str, str]]:
+    """Every kind of legit work `runs` times on one server, a watchdog in enforce mode at
+    the shipped thresholds: each incident would be a false remediation, and ends the
+    server (a new one is started for the runs left)."""
+    measured: dict[str, list[LegitRun]] = {word: [] for word, _, _ in LEGIT_WORK}
+    plan = [word for _ in range(runs) for word, _, _ in LEGIT_WORK]
+    while plan:
+        with stopped_at_exit([]) as servers:
+            server, faults = start_omni_server(model, workdir / f"server-{len(plan)}")
+            servers.append(server)
+
+            async def scenario(server: VllmServer = server, faults: Any = faults) -> None:
+                await ready(server, READY_TIMEOUT)
+                check = await first_requests(server)
+                tally.starts.append(("float32", check.answered))
+                if not check.answered:
+                    raise StartFailed(check.describe())
+                async with watched(server, workdir / "watchdog", overrides=AT_DEFAULTS) as dog:
+                    while plan:
+                        word = plan.pop(0)
+                        run = await legit_run(dog, server, faults, word)
+                        measured[word].append(run)
+                        print(
+                            f"{word}: {run.status} after {run.seconds:.1f} s, causes"
+                            f" {sorted(run.causes)}, incidents {run.incidents},"
+                            f" worse than degraded {run.worse[:3]}",
+                            flush=True,
+                        )
+                        if run.incidents:
+                            return  # the server was ended: the next runs get a new one
+
+            try:
+                asyncio.run(scenario())
+            except StartFailed as failure:
+                print(f"  start failed: {failure}", file=sys.stderr)
+                return [("legit work", "-", "0 false remediations", "FAIL (no server)")]
+    rows = []
+    for word, label, cause in LEGIT_WORK:
+        done = measured[word]
+        remediated = sum(1 for r in done if r.incidents)
+        named = sum(1 for r in done if cause.value in r.causes)
+        answered = sum(1 for r in done if r.status == 200)
+        took = spread([r.seconds for r in done]) if done else "-"
+        rows += [
+            (
+                f"{label}, {len(done)} runs: false remediations",
+                str(remediated),
+                "0",
+                "pass" if remediated == 0 and done else "FAIL",
+            ),
+            (
+                f"{label}: runs never judged worse than degraded / answered 200 / named"
+                f" {cause.value} while it lasted; request time",
+                f"{sum(1 for r in done if not r.worse)} / {answered} / {named} of"
+                f" {len(done)}; {took}",
+                f"{len(done)} / {len(done)} / {len(done)}",
+                "pass"
+                if done
+                and all(not r.worse and r.status == 200 for r in done)
+                and named == len(done)
+                else "FAIL",
+            ),
+        ]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["faults", "overhead", "bf16", "soak"])
+    parser.add_argument("--only", choices=["faults", "overhead", "bf16", "soak", "legit"])
+    parser.add_argument("--legit-runs", type=int, default=5, help="runs of each legit work")
     parser.add_argument("--soak-seconds", type=float, default=600.0)
     parser.add_argument(
         "--runs", type=int, default=20, help="fresh servers per fault (about 2 min each)"
@@ -932,7 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight", type=int, default=4)
     parser.add_argument("--heartbeat", type=float, default=1.0, help="plugin heartbeat, s")
     args = parser.parse_args(argv)
-    parts = {args.only} if args.only else {"faults", "bf16", "overhead", "soak"}
+    parts = {args.only} if args.only else {"faults", "bf16", "overhead", "soak", "legit"}
     if not OMNI_STAMP.exists() or ("overhead" in parts and not VLLM_STAMP.exists()):
         print("skipped: the real vLLM-Omni and vLLM environments are missing (make tools)")
         return 0
@@ -949,6 +1078,20 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [f for f in FAULTS if not args.fault or f.word in args.fault]
         rows = run_faults(chosen, args.runs, omni_model, workdir / "faults", tally)
         failed = failed or any(row[3].startswith("FAIL") for row in rows)
+        print("\n".join(" | ".join(row) for row in rows), flush=True)
+    if "legit" in parts:
+        rows = run_legit_work(args.legit_runs, omni_model, workdir / "legit", tally)
+        failed = failed or any(row[3].startswith("FAIL") for row in rows)
+        record(
+            LEGIT_SECTION,
+            rows,
+            "The real vLLM-Omni 0.30 (CPU harness), a watchdog in enforce mode at the shipped"
+            " thresholds; stage 1's forward, armed for one request each run: a real"
+            " torch.compile on a fresh Inductor cache (g++ in child processes), a 20 s wait on"
+            " a child at full CPU, 20 s of tensor work. One server for every run while none"
+            " is remediated; each stage's state and stage 1's cause read every 0.25 s;"
+            " `python benchmarks/bench_real_omni.py --only legit`.",
+        )
         print("\n".join(" | ".join(row) for row in rows), flush=True)
     if "soak" in parts:
         rows = run_soak(args.soak_seconds, omni_model, workdir / "soak", tally)
