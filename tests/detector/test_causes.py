@@ -311,3 +311,16 @@ def test_once_its_frames_moved_a_few_samples_on_one_line_are_no_spin() -> None:
         assert finding.cause is SilenceCause.COMPUTING and finding.working, (on_one_line, finding)
     sampled = (earliest, *(after,) * (SAMPLES_KEPT - 1))
     assert process_cause(before, after, sampled).cause is SilenceCause.SPINNING
+
+
+def test_a_spin_that_sometimes_yields_the_gil_to_other_threads_is_still_a_spin() -> None:
+    """Measured on a spinning Python thread beside another: one sample in three caught the
+    interpreter handing the GIL over."""
+    holding = Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP), gil=True)
+    yielded = Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP), gil=False)
+    before, after, _ = readings((holding,), stacks=True)
+    _, handed_over, _ = readings((yielded,), stacks=True)
+    assert process_cause(before, after, (after, handed_over)).cause is SilenceCause.SPINNING
+    assert process_cause(before, handed_over, (handed_over, after)).cause is (
+        SilenceCause.COMPUTING
+    )

@@ -26,7 +26,7 @@ from real_omni.server import STAGES, OmniServer, watched
 from real_vllm.client import answer
 
 from omni_watchdog.demo import wait_for
-from omni_watchdog.types import SilenceCause, StageRef, StageState
+from omni_watchdog.types import ProcessRole, SilenceCause, StageRef, StageState
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -53,8 +53,12 @@ async def causes_on_the_api(
 
 def builder_of(server: Any, watchdog: Any) -> psutil.Process | None:
     """The child the talker's worker waits on, once there is one: a process of the test's
-    own server."""
-    talker = {info.pid for info in watchdog.tracker.live() if info.stage == TALKER}
+    own server (the worker is itself a child of the stage's engine core)."""
+    talker = {
+        info.pid
+        for info in watchdog.tracker.live()
+        if info.stage == TALKER and info.role is ProcessRole.WORKER
+    }
     children = []
     for process in server.tree():
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -97,6 +101,9 @@ def test_legit_work_is_waited_for_and_what_stops_advancing_is_judged_by_its_caus
         assert verdict.cause is not None, verdict
         assert verdict.cause.cause is cause and not verdict.cause.working, (word, verdict.cause)
         return str(verdict.cause.detail)
+
+    for part in ("enforce", "stopped", "spin"):
+        (tmp_path / part).mkdir()
 
     async def scenario() -> None:
         async with watched(server, tmp_path / "enforce", overrides=shipped()) as watchdog:

@@ -30,7 +30,7 @@ from ports import free_port, port_block
 
 from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
-from omni_watchdog.config import load_config, merge_layers
+from omni_watchdog.config import PROBES, load_config, merge_layers
 from omni_watchdog.demo import wait_for
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.log import configure_logging
@@ -55,7 +55,7 @@ REAL_FAST = merge_layers(
     {
         "probes": {
             "gpu_backend": "none",
-            "enabled": ["spans", "metrics", "health", "canary", "processes"],
+            "enabled": [probe for probe in PROBES if probe != "gpu"],
         }
     },
 )
