@@ -14,6 +14,7 @@ it in words an operator can check ("g++ pid 123 at 98 % CPU").
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -93,13 +94,15 @@ CHILD_WAIT_CHANNELS = frozenset(
         "wait_for_vfork_done",
     }
 )
-# A thread busy in the same frames in every stack sample of its silence, at least
+# A thread busy in the same functions in every stack sample of its silence, at least
 # SPIN_SAMPLES of them, holding the GIL in half of them or more, is spinning; with fewer
 # samples its frames say nothing yet. The samples looked at are the latest SAMPLES_KEPT:
 # once its frames moved, it takes that many in a row on one line, not three, so Python
 # work that dwells on one line is not caught.
 SPIN_SAMPLES = 3
 SAMPLES_KEPT = 10
+# The line at the end of a frame as `activity.parse_py_spy_json` writes it.
+_LINE = re.compile(r":[^:()]*\)$")
 # The stopped states: T (SIGSTOP) and t (a tracer's stop).
 _STOPPED_STATES = frozenset("Tt")
 
@@ -289,7 +292,8 @@ def _busy_finding(
             f"pid {after.pid}: thread {thread.tid} at {share} in {where},"
             f" its stack sampled {len(window)} of {SPIN_SAMPLES} times",
         )
-    if any(sample is None or sample.frames != frames for sample in window):
+    functions = _functions(frames)
+    if any(sample is None or _functions(sample.frames) != functions for sample in window):
         return CauseFinding(
             SilenceCause.COMPUTING, True, f"pid {after.pid} at {share}, its frames moving: {where}"
         )
@@ -309,6 +313,12 @@ def _busy_finding(
         True,
         f"pid {after.pid} at {share} in one native call, {len(window)} samples running: {where}",
     )
+
+
+def _functions(frames: Sequence[str]) -> tuple[str, ...]:
+    """The frames without their lines: a loop moves between its own lines, a spin-wait
+    between its condition and its body, and stays in its functions all the same."""
+    return tuple(_LINE.sub(")", frame) for frame in frames)
 
 
 def _sample_of(reading: ProcessActivity, tid: int) -> ThreadActivity | None:

@@ -189,6 +189,24 @@ CASES = {
         False,
         "in the same frames, holding the GIL, 3 samples running: forward",
     ),
+    "a spin-wait moving between the lines of its loop, holding the GIL, is a spin": (
+        readings(
+            (
+                Thread(
+                    state="R",
+                    wchan="",
+                    ran=2.0,
+                    frames=("wait_ready (/models/tiny.py:41)", STEP),
+                    frames_before=("wait_ready (/models/tiny.py:40)", STEP),
+                    gil=True,
+                ),
+            ),
+            stacks=True,
+        ),
+        SilenceCause.SPINNING,
+        False,
+        "holding the GIL",
+    ),
     "busy in the same frames without the GIL is one long native call, advancing": (
         readings((Thread(state="R", wchan="", ran=2.0, frames=(FORWARD, STEP)),), stacks=True),
         SilenceCause.COMPUTING,

@@ -80,11 +80,11 @@ class Work:
         """What /proc (and py-spy, with `stacks`) shows of the worker `since` the arrival."""
         worked = max(0.0, since) if self.working(since) else 0.0
         if self.kind in ("spin", "steps"):
-            # A spin stays on one line; a step's frames move from sample to sample.
-            line = 12 if self.kind == "spin" else 10 + int(since) % 7
-            frames = (FORWARD.format(line=line), EXECUTE) if stacks else ()
-            # Both run Python (hold the GIL), as the harness's spin and slow step do.
-            main = ThreadActivity(201, "R", "", 5.0 + worked, 0.1, frames, owns_gil=stacks)
+            # A spin moves between the lines of its loop holding the GIL; a step of tensor
+            # work moves between them too, in native calls that release it.
+            frames = (FORWARD.format(line=10 + int(since) % 7), EXECUTE) if stacks else ()
+            spinning = stacks and self.kind == "spin"
+            main = ThreadActivity(201, "R", "", 5.0 + worked, 0.1, frames, owns_gil=spinning)
             return ProcessActivity(201, now, (main,), (), stacks)
         frames = ("wait (/usr/lib/python3.11/threading.py:327)", EXECUTE) if stacks else ()
         channel = "do_wait" if self.kind == "compile" else "futex_do_wait"

@@ -256,8 +256,11 @@ def watchdog_account(watchdog: Any) -> str:
         lines.append(f"last judged at {report.time:.1f} (warm {report.warmed_up}):")
         for status in report.statuses:
             evidence = "; ".join(f"{e.kind.value}: {e.detail}" for e in status.evidence)
+            cause = status.cause
+            doing = "" if cause is None else f", {cause.cause.value}: {cause.detail}"
             lines.append(
-                f"  {status.stage} {status.state.value}" + (f" ({evidence})" if evidence else "")
+                f"  {status.stage} {status.state.value}{doing}"
+                + (f" ({evidence})" if evidence else "")
             )
     incidents = watchdog.policy.incidents()
     lines.append(f"{len(incidents)} incident(s)")
