@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -67,14 +67,16 @@ def read_activity(
     proc: Path = process_start.PROC,
     stacks: Mapping[int, ThreadStack] | None = None,
     table: ProcessTableReading | None = None,
+    apart: Collection[int] = (),
 ) -> ProcessActivity | None:
     """One reading of `pid`'s threads and descendants at `now`; None once it is gone.
     `stacks`, by thread id, where they were sampled; `table`, a pass over the process
-    table already made for this round (one is made when not given)."""
+    table already made for this round (one is made when not given); `apart`, processes
+    read for themselves, left out of the descendants with theirs."""
     threads = _threads(pid, proc, stacks or {})
     if not threads:
         return None
-    children = (table or read_process_table(proc)).descendants(pid)
+    children = (table or read_process_table(proc)).descendants(pid, apart)
     return ProcessActivity(pid, now, threads, children, stacks_read=stacks is not None)
 
 
@@ -130,9 +132,11 @@ class ActivityProbe:
         if not silent:
             self._sampled_at.clear()
             return []
+        live = self._live()
+        stage_processes = frozenset(info.pid for info in live if info.role in _STAGE_ROLES)
         readable = [
             info
-            for info in self._live()
+            for info in live
             if info.stage in silent
             and info.role in _STAGE_ROLES
             and info.status not in (ProcessStatus.ZOMBIE, ProcessStatus.EXITED)
@@ -145,7 +149,10 @@ class ActivityProbe:
 
         def read_all() -> list[ProcessActivity | None]:
             table = read_process_table(self._proc)
-            return [read_activity(i.pid, now, self._proc, stacks[i.pid], table) for i in chosen]
+            return [
+                read_activity(i.pid, now, self._proc, stacks[i.pid], table, stage_processes)
+                for i in chosen
+            ]
 
         readings = await asyncio.to_thread(read_all)
         observations = [
@@ -229,14 +236,18 @@ class ProcessTableReading:
     def __init__(self, by_parent: Mapping[int, Sequence[tuple[int, str, list[str]]]]) -> None:
         self._by_parent = by_parent
 
-    def descendants(self, pid: int) -> tuple[ChildActivity, ...]:
-        """Every descendant of `pid`, nearest first, at most `MAX_CHILDREN_READ`."""
+    def descendants(self, pid: int, apart: Collection[int] = ()) -> tuple[ChildActivity, ...]:
+        """Every descendant of `pid`, nearest first, at most `MAX_CHILDREN_READ`, leaving
+        out those in `apart` and their own descendants: a stage process under another (vLLM's
+        worker under its engine core) is read for itself, not as work done for its parent."""
         found: list[ChildActivity] = []
         parents = [pid]
         while parents and len(found) < MAX_CHILDREN_READ:
             below: list[int] = []
             for parent in parents:
                 for child, command, fields in sorted(self._by_parent.get(parent, ())):
+                    if child in apart:
+                        continue
                     ticks = int(fields[_UTIME]) + int(fields[_STIME])
                     seconds = ticks / process_start.CLOCK_TICKS
                     found.append(ChildActivity(child, command, fields[_STATE], seconds))

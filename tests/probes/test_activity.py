@@ -19,6 +19,7 @@ from omni_watchdog.policy.capture import find_py_spy
 from omni_watchdog.probes.activity import (
     STACK_EVERY,
     ActivityProbe,
+    ProcessTableReading,
     StackError,
     parse_py_spy_json,
     read_activity,
@@ -235,3 +236,21 @@ def test_the_probe_reads_only_silent_stages_and_samples_stacks_at_its_pace(
     assert second[0].activity is not None and not second[0].activity.stacks_read
     assert third[0].activity is not None and not third[0].activity.stacks_read
     assert probe.stack_failures == 1 and "failed to read the stack" in probe.last_stack_error
+
+
+def test_a_stage_process_under_another_is_read_for_itself_not_as_its_parents_work() -> None:
+    def stat(state: str, parent: int, ticks: int) -> list[str]:
+        fields = [state, str(parent)] + ["0"] * 11
+        fields[11] = str(ticks)
+        return fields
+
+    table = ProcessTableReading(
+        {
+            100: [(101, "VLLM::Worker", stat("R", 100, 500)), (102, "cc1plus", stat("R", 100, 90))],
+            101: [(103, "python", stat("R", 101, 70))],
+        }
+    )
+    assert [c.pid for c in table.descendants(100)] == [101, 102, 103]
+    # The engine core's worker is a stage process: it and what works for it are its own.
+    assert [(c.pid, c.name) for c in table.descendants(100, apart={101})] == [(102, "cc1plus")]
+    assert [c.name for c in table.descendants(101)] == ["python"]
