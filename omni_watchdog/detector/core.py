@@ -47,6 +47,7 @@ from omni_watchdog.types import (
     ProcessInfo,
     ProcessRole,
     ProcessStatus,
+    SilenceCause,
     SpanOutcome,
     StageCause,
     StageRef,
@@ -746,14 +747,26 @@ class Detector:
 
     def _update_cause(self, memory: _StageMemory, now: float) -> StageCause | None:
         """The stage's cause from the latest fresh findings of its live processes, kept with
-        the moment it first held; None once the stage is no longer silent."""
-        findings = [
-            known.finding
+        the moment it first held; None once the stage is no longer silent. A live stage
+        process without a fresh finding counts as unknown: what its siblings do (an engine
+        core asleep on its queue) says nothing of it (its worker may be compiling)."""
+        fresh = {
+            pid: known.finding
             for pid, known in memory.activity.items()
             if known.finding is not None
             and now - known.latest.time <= self._config.stale_after
             and (pid not in memory.processes or memory.processes[pid].exited_at is None)
+        }
+        unread = [
+            pid
+            for pid, process in memory.processes.items()
+            if pid not in fresh and process.exited_at is None and process.info.role in _STAGE_ROLES
         ]
+        findings = list(fresh.values())
+        if findings and unread:
+            findings.append(
+                CauseFinding(SilenceCause.UNKNOWN, False, f"pid {unread[0]} not read lately")
+            )
         silent = self._silent(memory, now)
         if not silent:
             # Readings from before it beat again say nothing of its next silence.

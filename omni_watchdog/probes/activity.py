@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -65,19 +66,18 @@ def read_activity(
     pid: int,
     now: float,
     proc: Path = process_start.PROC,
-    stacks: Mapping[int, ThreadStack] | None = None,
     table: ProcessTableReading | None = None,
     apart: Collection[int] = (),
 ) -> ProcessActivity | None:
-    """One reading of `pid`'s threads and descendants at `now`; None once it is gone.
-    `stacks`, by thread id, where they were sampled; `table`, a pass over the process
-    table already made for this round (one is made when not given); `apart`, processes
-    read for themselves, left out of the descendants with theirs."""
-    threads = _threads(pid, proc, stacks or {})
+    """One reading of `pid`'s threads and descendants at `now`, without stacks; None once
+    it is gone. `table`, a pass over the process table already made for this round (one is
+    made when not given); `apart`, processes read for themselves, left out of the
+    descendants with theirs."""
+    threads = _threads(pid, proc)
     if not threads:
         return None
     children = (table or read_process_table(proc)).descendants(pid, apart)
-    return ProcessActivity(pid, now, threads, children, stacks_read=stacks is not None)
+    return ProcessActivity(pid, now, threads, children)
 
 
 async def sample_stacks(
@@ -142,21 +142,32 @@ class ActivityProbe:
             and info.status not in (ProcessStatus.ZOMBIE, ProcessStatus.EXITED)
         ]
         chosen = readable[:MAX_PROCESSES_READ]
-        # Stacks first, then the kernel's view of every chosen process in one pass: their
-        # CPU times, and their children's, are then read at one moment.
-        stacks = {info.pid: await self._stacks(info.pid) for info in chosen}
+        # The kernel's view of every chosen process first, in one pass, every round: their
+        # CPU times and their children's are read at one moment, and a round stays fresh
+        # however slow py-spy is on a loaded host. Then the stacks that are due, all at
+        # once, the round bounded by one `stack_timeout`; each thread's frames join the
+        # reading they follow by a fraction of a second.
         now = self._clock.monotonic()
 
         def read_all() -> list[ProcessActivity | None]:
             table = read_process_table(self._proc)
-            return [
-                read_activity(i.pid, now, self._proc, stacks[i.pid], table, stage_processes)
-                for i in chosen
-            ]
+            return [read_activity(i.pid, now, self._proc, table, stage_processes) for i in chosen]
 
         readings = await asyncio.to_thread(read_all)
+        due = [
+            info.pid
+            for info, reading in zip(chosen, readings, strict=True)
+            if reading is not None and self._stacks_due(info.pid, now)
+        ]
+        stacks = await asyncio.gather(*(self._stacks(pid) for pid in due))
+        sampled = dict(zip(due, stacks, strict=True))
         observations = [
-            Observation(ObservationKind.ACTIVITY, now, info.stage, activity=reading)
+            Observation(
+                ObservationKind.ACTIVITY,
+                now,
+                info.stage,
+                activity=with_stacks(reading, sampled.get(info.pid)),
+            )
             for info, reading in zip(chosen, readings, strict=True)
             if reading is not None
         ]
@@ -164,18 +175,36 @@ class ActivityProbe:
         self._sampled_at = {pid: at for pid, at in self._sampled_at.items() if pid in kept}
         return observations
 
-    async def _stacks(self, pid: int) -> dict[int, ThreadStack] | None:
-        now = self._clock.monotonic()
+    def _stacks_due(self, pid: int, now: float) -> bool:
         last = self._sampled_at.get(pid)
         if self._py_spy is None or (last is not None and now - last < self._stack_every):
-            return None
+            return False
         self._sampled_at[pid] = now
+        return True
+
+    async def _stacks(self, pid: int) -> dict[int, ThreadStack] | None:
+        assert self._py_spy is not None  # only asked for when due, which needs py-spy
         try:
             return await sample_stacks(self._py_spy, pid, self._stack_timeout, self._run)
         except StackError as error:
             self.stack_failures += 1
             self.last_stack_error = f"pid {pid}: {error}"
             return None
+
+
+def with_stacks(
+    reading: ProcessActivity, stacks: Mapping[int, ThreadStack] | None
+) -> ProcessActivity:
+    """`reading` with each thread's sampled frames, where a sample was taken."""
+    if stacks is None:
+        return reading
+    threads = tuple(
+        replace(thread, frames=stacks[thread.tid].frames, owns_gil=stacks[thread.tid].owns_gil)
+        if thread.tid in stacks
+        else thread
+        for thread in reading.threads
+    )
+    return replace(reading, threads=threads, stacks_read=True)
 
 
 def parse_py_spy_json(text: str) -> dict[int, ThreadStack]:
@@ -203,14 +232,13 @@ def parse_py_spy_json(text: str) -> dict[int, ThreadStack]:
     return stacks
 
 
-def _threads(pid: int, proc: Path, stacks: Mapping[int, ThreadStack]) -> tuple[ThreadActivity, ...]:
+def _threads(pid: int, proc: Path) -> tuple[ThreadActivity, ...]:
     tasks = proc / str(pid) / "task"
     try:
         tids = sorted(int(name) for name in os.listdir(tasks))
     except (OSError, ValueError):
         return ()
     threads = []
-    unsampled = ThreadStack((), False)
     for tid in tids[:MAX_THREADS_READ]:
         directory = tasks / str(tid)
         fields = _stat_fields(directory)
@@ -224,7 +252,6 @@ def _threads(pid: int, proc: Path, stacks: Mapping[int, ThreadStack]) -> tuple[T
                 _wait_channel(directory),
                 run_and_wait[0],
                 run_and_wait[1],
-                *stacks.get(tid, unsampled),
             )
         )
     return tuple(threads)

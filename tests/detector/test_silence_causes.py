@@ -51,6 +51,9 @@ ROOT = ProcessInfo(100, 1.0, 1, 100, 100, "api", ProcessStatus.SLEEPING, 1.0, Pr
 WORKER = ProcessInfo(
     201, 2.0, 100, 100, 100, "worker", ProcessStatus.SLEEPING, 1.0, ProcessRole.WORKER, S1
 )
+ENGINE = ProcessInfo(
+    202, 2.0, 100, 100, 100, "engine", ProcessStatus.SLEEPING, 1.0, ProcessRole.ENGINE, S1
+)
 COMPILER_PID = 300
 STEP = 0.25
 ADMITTED_AT = 8.0  # warm from 5 s (first healthy /health at 0 s + 5 s grace)
@@ -68,6 +71,10 @@ class Work:
     lasts: float | None = None
     # The compiler child is stopped (SIGSTOP) this long after the arrival.
     child_stopped_at: float | None = None
+    # The stage's engine core, asleep on its queue, is read too; the worker's readings stop
+    # coming this long after the arrival (a probe round that could not read it).
+    with_engine: bool = False
+    worker_unread_from: float | None = None
     history: list[DetectorReport] = field(default_factory=list)
 
     def busy(self, since: float) -> bool:
@@ -126,9 +133,18 @@ def drive(work: Work, seconds: float, config: DetectionConfig) -> list[DetectorR
         cpu = 5.0 + (max(0.0, since) if busy else 0.0)
         worker = dataclasses.replace(WORKER, status=status, cpu_seconds=cpu)
         out.append(Observation(ObservationKind.PROCESS, now, process=worker, outcome=status))
+        if work.with_engine:
+            out.append(Observation(ObservationKind.PROCESS, now, process=ENGINE, outcome=status))
         if tick % 2 == 0 and S1 in detector.silent_stages(now):
-            reading = work.activity(now, since, stacks=tick % 4 == 0)
-            out.append(Observation(ObservationKind.ACTIVITY, now, S1, activity=reading))
+            stacks = tick % 4 == 0
+            if work.worker_unread_from is None or since < work.worker_unread_from:
+                reading = work.activity(now, since, stacks)
+                out.append(Observation(ObservationKind.ACTIVITY, now, S1, activity=reading))
+            if work.with_engine:
+                queue = ("get (/usr/lib/python3.11/queue.py:171)",) if stacks else ()
+                asleep = ThreadActivity(202, "S", "futex_do_wait", 3.0, 0.1, queue)
+                engine = ProcessActivity(202, now, (asleep,), (), stacks)
+                out.append(Observation(ObservationKind.ACTIVITY, now, S1, activity=engine))
         if elapsed == ADMITTED_AT:
             out.append(
                 Observation(ObservationKind.REQUEST_ADMITTED, now, request_id="r1", path=(0, 1, 2))
@@ -221,6 +237,18 @@ def test_legit_work_that_advances_is_never_worse_than_degraded(
     # Once it beats again its cause is gone with its silence.
     last = next(s for s in reports[-1].statuses if s.stage == S1)
     assert last.state is StageState.HEALTHY and last.cause is None, last
+
+
+def test_an_engine_asleep_on_its_queue_speaks_for_itself_not_for_its_compiling_worker() -> None:
+    read = Work("compile", lasts=60.0, with_engine=True)
+    reports = drive(read, AT_TALKER + 80.0, DEFAULTS)
+    assert first_verdict(reports) is None and SilenceCause.COMPILING in causes_shown(reports)
+    # The worker's readings stop: the engine's sleep must not become the stage's cause.
+    unread = Work("compile", lasts=60.0, with_engine=True, worker_unread_from=5.0)
+    found = first_verdict(drive(unread, AT_TALKER + 80.0, DEFAULTS))
+    assert found is not None
+    assert found[1].cause is not None and found[1].cause.cause is SilenceCause.UNKNOWN, found
+    assert "pid 201 not read lately" in found[1].cause.detail
 
 
 @pytest.mark.parametrize(

@@ -254,3 +254,41 @@ def test_a_stage_process_under_another_is_read_for_itself_not_as_its_parents_wor
     # The engine core's worker is a stage process: it and what works for it are its own.
     assert [(c.pid, c.name) for c in table.descendants(100, apart={101})] == [(102, "cc1plus")]
     assert [c.name for c in table.descendants(101)] == ["python"]
+
+
+def test_a_slow_stack_sample_never_makes_a_round_of_kernel_readings_stale(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    """On a loaded host py-spy can take seconds per process: the kernel is read first, for
+    every process at one moment, and the stacks of all of them are sampled at once after."""
+    pids = [start(started, SPINNER), start(started, SPINNER)]
+    clock = FakeClock()
+    infos = [
+        ProcessInfo(
+            pid, 1.0, os.getpid(), pid, pid, "worker", ProcessStatus.RUNNING, 0.0,
+            ProcessRole.WORKER, StageRef(1, replica),
+        )
+        for replica, pid in enumerate(pids)
+    ]  # fmt: skip
+    in_flight: list[int] = []
+    most_in_flight = 0
+
+    async def slow_run(argv: list[str], timeout: float) -> tuple[int | None, str]:
+        nonlocal most_in_flight
+        pid = int(argv[-1])
+        in_flight.append(pid)
+        most_in_flight = max(most_in_flight, len(in_flight))
+        await asyncio.sleep(0.05)
+        clock.advance(1.5)  # what this sample cost on a loaded host
+        in_flight.remove(pid)
+        return 0, json.dumps([{"os_thread_id": pid, "frames": [{"name": "spin_here"}]}])
+
+    silent = tuple(info.stage for info in infos if info.stage is not None)
+    probe = ActivityProbe(clock, lambda now: silent, lambda: infos, "py-spy", slow_run)
+    before = clock.monotonic()
+    observations = asyncio.run(probe.collect())
+    assert sorted(o.activity.pid for o in observations if o.activity) == sorted(pids)
+    for observation in observations:
+        assert observation.time == before and observation.activity is not None
+        assert observation.activity.time == before and observation.activity.stacks_read
+    assert most_in_flight == 2
