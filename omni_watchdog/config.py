@@ -241,6 +241,19 @@ class DetectionConfig:
         "No loop heartbeat from a stage for this long is evidence (3 missed 1 s beats).",
         minimum=0.1,
     )
+    rhythm_multiplier: float = _setting(
+        2.0,
+        "A stage whose loop beats slower than once a second (long steps block it) is not"
+        " silent before this many times the rolling p99 of its healthy beat gaps, when"
+        " that is longer than heartbeat_timeout.",
+        minimum=1.0,
+        maximum=100.0,
+    )
+    heartbeat_timeout_max: float = _duration(
+        30.0,
+        "The most a stage's learned rhythm may stretch its heartbeat timeout to.",
+        minimum=0.1,
+    )
     progress_timeout: float = _duration(
         3.0,
         "Requests running on a stage and its progress counters flat for this long.",

@@ -195,6 +195,8 @@ RANGES = {
     "header_timeout": (0.1, 600.0),
     "max_connections": (1, 65535),
     "detection.heartbeat_timeout": (0.1, 86400.0),
+    "detection.rhythm_multiplier": (1.0, 100.0),
+    "detection.heartbeat_timeout_max": (0.1, 86400.0),
     "detection.progress_timeout": (0.1, 86400.0),
     "detection.stale_after": (0.1, 86400.0),
     "detection.health_failures": (1, 100),

@@ -116,6 +116,10 @@ WAIT_WORTH_SAYING = 0.1
 RUNNING_SHARE = 0.1
 # Readings of its CPU wait kept per process: enough to span that window at any interval.
 WAIT_READINGS = 32
+# A stage's rhythm: its latest healthy beat gaps, and how many before they are trusted to
+# stretch its heartbeat timeout (a p99 of twenty is their longest).
+BEAT_GAPS_KEPT = 256
+BEAT_GAPS_TRUSTED = 20
 
 
 @dataclass
@@ -157,6 +161,8 @@ class _StageMemory:
     load_positive_since: float | None = None
     last_span_ok: float | None = None
     durations: RollingQuantile = field(default_factory=RollingQuantile)
+    # Gaps between its loop's beats that ended within its heartbeat timeout: its rhythm.
+    beat_gaps: RollingQuantile = field(default_factory=lambda: RollingQuantile(BEAT_GAPS_KEPT))
     processes: dict[int, _ProcessMemory] = field(default_factory=dict)
     gpu_bytes: dict[int, float] = field(default_factory=dict)
     # When each pid was last listed holding memory by a GPU reading.
@@ -279,8 +285,11 @@ class Detector:
     def _on_heartbeat(self, obs: Observation) -> None:
         memory = self._memory(obs.stage)
         if memory is not None:
+            previous = memory.last_heartbeat
+            if previous is not None and 0 < obs.time - previous <= self._heartbeat_timeout(memory):
+                memory.beat_gaps.add(obs.time - previous)
             # Spans of a sender the tracker had not recorded yet arrive late, and older.
-            memory.last_heartbeat = max(obs.time, memory.last_heartbeat or obs.time)
+            memory.last_heartbeat = max(obs.time, previous or obs.time)
             for known in memory.processes.values():
                 known.wait_at_beat, known.seen_at_beat = known.info.cpu_wait_seconds, known.seen_at
                 known.cpu_at_beat = known.info.cpu_seconds
@@ -527,7 +536,7 @@ class Detector:
         due: list[float] = []
         for ref, memory in self._stages.items():
             if memory.last_heartbeat is not None:
-                due.append(memory.last_heartbeat + config.heartbeat_timeout)
+                due.append(memory.last_heartbeat + self._heartbeat_timeout(memory))
             if memory.load > 0 and memory.load_positive_since is not None:
                 flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
                 due.append(flat_from + config.progress_timeout)
@@ -672,7 +681,7 @@ class Detector:
         kinds = {e.kind for e in evidence if e.kind not in _CONSEQUENCES}
         beating = (
             memory.last_heartbeat is not None
-            and now - memory.last_heartbeat <= self._config.heartbeat_timeout
+            and now - memory.last_heartbeat <= self._heartbeat_timeout(memory)
         )
         if EvidenceKind.HEALTH_FAILED in kinds and self._confirmed(evidence, now):
             return StageState.DEAD
@@ -713,7 +722,7 @@ class Detector:
         live = [p for p in memory.processes.values() if p.exited_at is None]
         if any(p.info.status is ProcessStatus.STOPPED for p in live):
             return False
-        window = STARVED_WINDOW_SHARE * self._config.heartbeat_timeout
+        window = STARVED_WINDOW_SHARE * self._heartbeat_timeout(memory)
         for process in live:
             start = max(process.seen_at_beat, process.seen_at - window)
             base_at, base_wait = process.seen_at_beat, process.wait_at_beat
@@ -734,10 +743,31 @@ class Detector:
         waiter = _busiest_waiter(memory)
         return waiter[1] if waiter else 0.0
 
+    def _heartbeat_timeout(self, memory: _StageMemory) -> float:
+        """`heartbeat_timeout`, stretched by the stage's own rhythm: a loop that its steps
+        block for seconds at a time, healthy, is not silent before `rhythm_multiplier` of its
+        longest healthy gaps (their p99), at most `heartbeat_timeout_max`. A loop that beats
+        every second keeps the configured timeout, and its hangs are judged as fast."""
+        config = self._config
+        p99 = memory.beat_gaps.quantile(0.99)
+        if p99 is None or len(memory.beat_gaps) < BEAT_GAPS_TRUSTED:
+            return config.heartbeat_timeout
+        stretched = min(config.rhythm_multiplier * p99, config.heartbeat_timeout_max)
+        return max(config.heartbeat_timeout, stretched)
+
+    def _rhythm_note(self, memory: _StageMemory) -> str:
+        timeout = self._heartbeat_timeout(memory)
+        if timeout <= self._config.heartbeat_timeout:
+            return ""
+        return (
+            f" (its rhythm: healthy gaps up to {memory.beat_gaps.quantile(0.99) or 0.0:.1f}s,"
+            f" so {timeout:.1f}s allowed)"
+        )
+
     def _silent(self, memory: _StageMemory, now: float) -> bool:
         config = self._config
         beat = memory.last_heartbeat
-        if beat is not None and now - beat > SILENT_SHARE * config.heartbeat_timeout:
+        if beat is not None and now - beat > SILENT_SHARE * self._heartbeat_timeout(memory):
             return True
         if self._load(memory, now) > 0 and memory.load_positive_since is not None:
             flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
@@ -895,7 +925,7 @@ class Detector:
         """Fresh heartbeats and either no work or moving counters: this stage is fine."""
         beating = (
             memory.last_heartbeat is not None
-            and now - memory.last_heartbeat <= self._config.heartbeat_timeout
+            and now - memory.last_heartbeat <= self._heartbeat_timeout(memory)
         )
         return beating and (self._load(memory, now) <= 0 or self._progressing(memory, now))
 
@@ -907,9 +937,12 @@ class Detector:
                 EvidenceKind.HEARTBEAT_LOST,
                 ref,
                 memory.last_heartbeat,
-                config.heartbeat_timeout,
+                self._heartbeat_timeout(memory),
                 now,
-                lambda silent: f"no loop heartbeat for {silent:.1f}s{_cpu_note(memory)}",
+                lambda silent: (
+                    f"no loop heartbeat for {silent:.1f}s{self._rhythm_note(memory)}"
+                    f"{_cpu_note(memory)}"
+                ),
             )
         deadline = self.deadline(ref.stage_id)
         late = self._pending.overdue(ref.stage_id, deadline, now, self._blind)
@@ -1024,7 +1057,7 @@ class Detector:
             live
             and memory.load_at is None
             and silent_since is not None
-            and now - silent_since > config.heartbeat_timeout
+            and now - silent_since > self._heartbeat_timeout(memory)
         ):
             # Without load gauges (a headless stage serves no /metrics) a loop that stopped
             # beating is working only if its processes use a CPU or wait for one; a stage
