@@ -231,7 +231,7 @@ def timeline(incident: Incident, fault_time: float | None, fault: str) -> list[s
             _line(
                 at(incident.timeline.get("verdict")),
                 "verdict",
-                f"stage {verdict.stage} {verdict.state.value} ({kinds})",
+                f"{verdict.describe()} ({kinds})",
             )
         )
     for step in incident.steps:

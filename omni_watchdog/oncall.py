@@ -40,7 +40,7 @@ from omni_watchdog.config import parse_duration
 # The watchdog's own bound on one pause, checked here too so that a typo such as
 # `--for 30h` is a usage error before anything is sent.
 from omni_watchdog.policy.maintenance import MAX_PAUSE_SECONDS
-from omni_watchdog.types import StepName
+from omni_watchdog.types import PIPELINE, StageRef, StepName
 
 DEFAULT_URL = "http://127.0.0.1:9464"
 URL_VARIABLE = "OMNI_WATCHDOG_URL"
@@ -444,6 +444,19 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
             )
         )
     lines.append(_field("incident", "none" if incident is None else _text(incident)))
+    pipeline = status.get("pipeline")
+    if isinstance(pipeline, dict):
+        # The target fails and no stage's own readings answer for it: said once, here,
+        # rather than as every stage's state.
+        since = _number(pipeline.get("since"))
+        evidence = [_mapping(e) for e in pipeline.get("evidence") or ()]
+        lines.append(
+            _field(
+                "target",
+                f"{_text(pipeline.get('state'))}, stage unknown,"
+                f" for {_age(None if since is None else now - since)}: {_why(None, evidence)}",
+            )
+        )
     lines.append("")
     stages = [_mapping(stage) for stage in status.get("stages") or ()]
     if not stages:
@@ -616,8 +629,12 @@ def _incident_lines(
             verdict_time = _number(verdict.get("time"))
             if anchor is not None and first is not None and verdict_time is not None:
                 when = f"  at {offset(anchor + verdict_time - first)}"
-            name = f"{_text(stage.get('stage_id'))}.{_text(stage.get('replica'))}"
-            lines.append(f"  stage {name}  {_text(verdict.get('state'))}{when}")
+            stage_id = stage.get("stage_id")
+            if isinstance(stage_id, int) and StageRef(stage_id).whole_pipeline:
+                subject = f"target ({PIPELINE}, stage unknown)"
+            else:
+                subject = f"stage {_text(stage_id)}.{_text(stage.get('replica'))}"
+            lines.append(f"  {subject}  {_text(verdict.get('state'))}{when}")
             cause = verdict.get("cause")
             if isinstance(cause, dict):
                 lines.append(f"      cause {_cause_text(cause)}")

@@ -141,8 +141,20 @@ class StageRef:
     stage_id: int
     replica: int = 0
 
+    @property
+    def whole_pipeline(self) -> bool:
+        """This is `PIPELINE`: the target as a whole, no stage of it in particular."""
+        return self.stage_id < 0
+
     def __str__(self) -> str:
-        return f"{self.stage_id}.{self.replica}"
+        return "pipeline" if self.whole_pipeline else f"{self.stage_id}.{self.replica}"
+
+
+# What a verdict, a status or evidence names when it concerns the target but no stage of it
+# could be proved the one: a canary or /health that fails while every stage's own readings
+# neither clear nor blame it (the sidecar without the plugin: no heartbeats, no spans).
+# Blaming every such stage would mark healthy ones stalled; this says "stage unknown".
+PIPELINE = StageRef(-1)
 
 
 @dataclass(frozen=True)
@@ -373,6 +385,13 @@ class Verdict:
     # What the stage was doing when judged stalled (None for a death, or nothing read).
     cause: StageCause | None = None
 
+    def describe(self) -> str:
+        """The verdict as people read it: "stage 0.0 stalled", or for `PIPELINE`
+        "target stalled, stage unknown"."""
+        if self.stage.whole_pipeline:
+            return f"target {self.state.value}, stage unknown"
+        return f"stage {self.stage} {self.state.value}"
+
 
 class Mode(str, enum.Enum):
     """How far the policy may go: look, say what it would do, or do it."""
@@ -481,6 +500,9 @@ class DetectorReport:
     verdicts: tuple[Verdict, ...]
     target_exit: TargetExit | None = None
     requests: Mapping[int, StageRequests] = field(default_factory=dict)
+    # The target as a whole (`PIPELINE`) while /health or the canary fails and no stage's
+    # own readings answer for it; None otherwise.
+    pipeline: StageStatus | None = None
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ The rules (docs/design.md, Detection):
   /health 503 charged to the stage (the server's word that an engine is dead); a /health
   that failed (503 or timeout, not refused) or a canary that failed after the exit
   confirms it at once: a hard fact and the server's own word, each from its own probe;
-- target-wide evidence (/health, the canary) is charged to the stages that show no
-  liveness of their own, so a healthy stage is not blamed for its neighbour;
+- target-wide evidence (/health, the canary) is charged to the beating stages that show no
+  liveness of their own, and to a stage that never beat (no plugin) only where its own
+  readings prove it is the one; with no stage to charge, the target as a whole
+  (`PIPELINE`) is judged instead, so a healthy stage is not blamed for its neighbour;
 - the watchdog's own blindness is not the server's silence: heartbeat and span silence
   count only the time in which the watchdog could look, and a /health or canary timeout
   that it was blind for part of says nothing either way.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector.causes import SAMPLES_KEPT, CauseFinding, process_cause, stage_cause
@@ -36,6 +38,7 @@ from omni_watchdog.detector.expectations import (
     RollingQuantile,
 )
 from omni_watchdog.types import (
+    PIPELINE,
     STEP_COUNTERS,
     DetectorReport,
     Evidence,
@@ -87,6 +90,11 @@ _EXCUSED_BY_WORK = frozenset(
         EvidenceKind.PROCESS_STUCK,
     }
 )
+# Causes that are no work and that an idle stage never shows: a stage that never beat (no
+# plugin) and shows one answers for the target's failing /health or canary. Asleep on a
+# lock or a queue is what every idle stage shows, so it proves nothing; neither does a wait
+# on a child, which an idle engine may show on its worker's pipe.
+_BLOCKED_CAUSES = frozenset({SilenceCause.STOPPED, SilenceCause.SPINNING, SilenceCause.DEVICE_WAIT})
 # A stage is silent, and its processes are read for a cause, once its loop has not beaten
 # for this share of `heartbeat_timeout`, or its counters have stayed flat under load for
 # this share of `progress_timeout`: two readings are in by the time evidence stands.
@@ -235,6 +243,10 @@ class Detector:
         # The remote stage whose missing replica has kept the server unhealthy past
         # `remote_grace`, once judged: the head's own verdict is given once per spell.
         self._head_judged_for: StageRef | None = None
+        # The target as a whole, judged while its failing /health or canary is charged to
+        # no stage (`_pipeline_status`); healthy while there is nothing to judge.
+        self._pipeline_state = StageState.HEALTHY
+        self._pipeline_since = start
 
     def attached(self, now: float) -> None:
         """The first server was found on the target: `startup_timeout` counts from now, and
@@ -562,8 +574,10 @@ class Detector:
         target_exit = self._exit(now)
         own = {ref: self._own_evidence(ref, memory, now) for ref, memory in self._stages.items()}
         shared = self._target_evidence(now)
-        statuses: list[StageStatus] = []
-        verdicts: list[Verdict] = []
+        judged: dict[StageRef, tuple[StageState, list[Evidence], StageCause | None]] = {}
+        # Local stages that neither answer for the target's evidence nor show liveness.
+        unproved: list[StageRef] = []
+        charged_any = False
         for ref, memory in self._stages.items():
             remote = ref.stage_id in self._remote
             cause = self._update_cause(memory, now)
@@ -571,14 +585,17 @@ class Detector:
             evidence = [e for e in own[ref] if e.kind not in excused]
             set_aside = len(evidence) < len(own[ref])
             held_up = self._held_up(memory, evidence, now)
-            if shared and (held_up or not self._shows_own_liveness(memory, now)):
+            if shared and self._answers_for_target(ref, memory, evidence, held_up, now):
                 charged = [
                     Evidence(kind, ref, since, detail)
                     for kind, since, detail in shared
                     if kind not in excused
                 ]
+                charged_any = True
                 set_aside = set_aside or len(charged) < len(shared)
                 evidence.extend(charged)
+            elif shared and not remote and not self._shows_own_liveness(memory, now):
+                unproved.append(ref)
             evidence.extend(self._after_exit(ref, memory, evidence, now))
             if not self._root_alive():
                 state = StageState.DEAD
@@ -591,6 +608,28 @@ class Detector:
                 state = self._decide(memory, evidence, now, held_up, set_aside)
             if state in (StageState.STALLED, StageState.DEAD):
                 evidence.extend(self._gpu_held(ref, memory, now))
+            judged[ref] = (state, evidence, cause)
+        pipeline = None
+        if shared and not charged_any and unproved and warm and self._root_alive():
+            pipeline = self._pipeline_status(shared, unproved, now)
+        verdicts: list[Verdict] = []
+        if pipeline is None:
+            self._pipeline_state = StageState.HEALTHY
+        else:
+            if pipeline.state is not self._pipeline_state:
+                self._pipeline_state, self._pipeline_since = pipeline.state, now
+                if pipeline.state in (StageState.STALLED, StageState.DEAD):
+                    verdicts.append(Verdict(PIPELINE, pipeline.state, now, pipeline.evidence))
+            pipeline = replace(pipeline, since=self._pipeline_since)
+            if pipeline.state in (StageState.STALLED, StageState.DEAD):
+                # Neither cleared nor blamed: the hang is among them, which one is unknown.
+                for ref in unproved:
+                    _, evidence, cause = judged[ref]
+                    judged[ref] = (StageState.UNKNOWN, evidence, cause)
+        statuses: list[StageStatus] = []
+        for ref, memory in self._stages.items():
+            state, evidence, cause = judged[ref]
+            remote = ref.stage_id in self._remote
             if state is not memory.state:
                 memory.state, memory.since = state, now
                 if state in (StageState.STALLED, StageState.DEAD) and self._root_alive():
@@ -622,7 +661,68 @@ class Detector:
             stage_id: StageRequests(self.in_flight(stage_id), self.overdue_count(stage_id, now))
             for stage_id in sorted({ref.stage_id for ref in self._stages})
         }
-        return DetectorReport(now, warm, tuple(statuses), tuple(verdicts), target_exit, requests)
+        return DetectorReport(
+            now, warm, tuple(statuses), tuple(verdicts), target_exit, requests, pipeline
+        )
+
+    def _answers_for_target(
+        self,
+        ref: StageRef,
+        memory: _StageMemory,
+        evidence: list[Evidence],
+        held_up: bool,
+        now: float,
+    ) -> bool:
+        """The target's failing /health or canary is charged to this stage.
+
+        A stage that beats (the plugin's heartbeats), and a remote one, which is seen
+        through its spans only, answer for it unless they show liveness of their own. A
+        local stage that never beat has nothing to show either way: blamed for lack of
+        liveness, every stage of a pipeline without the plugin was judged stalled for one
+        stall. So it answers only where its own readings prove it is the one: held up, its
+        own evidence (a process stopped, in D, exited; counters flat under load), or a
+        cause that is no work and that an idle stage never shows."""
+        if memory.last_heartbeat is not None or ref.stage_id in self._remote:
+            return held_up or not self._shows_own_liveness(memory, now)
+        if held_up or any(e.kind not in _CONSEQUENCES for e in evidence):
+            return True
+        cause = memory.cause
+        return cause is not None and not cause.working and cause.cause in _BLOCKED_CAUSES
+
+    def _pipeline_status(
+        self, shared: list[tuple[EvidenceKind, float, str]], unproved: list[StageRef], now: float
+    ) -> StageStatus:
+        """The target as a whole, while its /health or canary fails and no stage answers
+        for it (`unproved`: the local stages that neither answer nor show liveness). Judged
+        by the rules of a stage: its lateness excused while one of them works visibly
+        (a compile may hold the canary up), confirmed by two kinds or one that stood, and
+        on a host that starves them only once one stood for the time they could run. A
+        confirmed /health 503 makes it dead (an engine is dead, which one is unknown).
+        The ladder ends the whole server whatever stage a verdict names, so a real hang
+        is acted on as fast as a stage's."""
+        memories = [self._stages[ref] for ref in unproved]
+        excused: frozenset[EvidenceKind] = frozenset().union(
+            *(self._excused(memory, now) for memory in memories)
+        )
+        evidence = [
+            Evidence(kind, PIPELINE, since, detail)
+            for kind, since, detail in shared
+            if kind not in excused
+        ]
+        kinds = {e.kind for e in evidence}
+        if not self._confirmed(evidence, now):
+            state = StageState.DEGRADED
+        elif EvidenceKind.HEALTH_FAILED in kinds and self._health_answered:
+            state = StageState.DEAD
+        elif (
+            self._pipeline_state is not StageState.STALLED
+            and any(self._starved(memory) for memory in memories)
+            and not self._stood(evidence, now, max(self._waited(m) for m in memories))
+        ):
+            state = StageState.DEGRADED
+        else:
+            state = StageState.STALLED
+        return StageStatus(PIPELINE, "pipeline", state, now, tuple(evidence))
 
     def _decide(
         self,
@@ -768,6 +868,10 @@ class Detector:
         config = self._config
         beat = memory.last_heartbeat
         if beat is not None and now - beat > SILENT_SHARE * self._heartbeat_timeout(memory):
+            return True
+        if beat is None and self._target_unwell() and not self._progressing(memory, now):
+            # Without heartbeats a failing canary or /health is the only sign of a silence:
+            # what each stage is doing is what may prove which one fails it.
             return True
         if self._load(memory, now) > 0 and memory.load_positive_since is not None:
             flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
@@ -922,7 +1026,10 @@ class Detector:
         return moved or spans
 
     def _shows_own_liveness(self, memory: _StageMemory, now: float) -> bool:
-        """Fresh heartbeats and either no work or moving counters: this stage is fine."""
+        """Fresh heartbeats and either no work or moving counters: this stage is fine. One
+        that never beat (no plugin) shows it by its counters moving."""
+        if memory.last_heartbeat is None:
+            return self._progressing(memory, now)
         beating = (
             memory.last_heartbeat is not None
             and now - memory.last_heartbeat <= self._heartbeat_timeout(memory)
@@ -1097,6 +1204,11 @@ class Detector:
                     )
                 )
         return found
+
+    def _target_unwell(self) -> bool:
+        """The canary fails, or /health has failed `health_failures` times in a row."""
+        failing = self._health_failures >= self._config.health_failures
+        return failing or self._canary_failed_at is not None
 
     def _target_evidence(self, now: float) -> list[tuple[EvidenceKind, float, str]]:
         shared: list[tuple[EvidenceKind, float, str]] = []

@@ -33,6 +33,7 @@ from omni_watchdog.stats import (
 from omni_watchdog.types import (
     ACTION_OUTCOMES,
     OPERATOR_ACTIONS,
+    PIPELINE,
     Clock,
     EvidenceKind,
     HealthOutcome,
@@ -371,11 +372,16 @@ class MetricsExposition:
     # ---- labels -------------------------------------------------------------------
 
     def _stage_name(self, stage_id: int) -> str:
+        if StageRef(stage_id).whole_pipeline:
+            return str(PIPELINE)
         stage = self._labelled_topology.stage(stage_id)
         return stage.name if stage else f"stage{stage_id}"
 
     def _stage_labels(self, stage_id: int) -> str:
-        return f'stage="{stage_id}",stage_name="{escape(self._stage_name(stage_id))}"'
+        # The target as a whole (a verdict no stage could be proved the one for) is
+        # stage="pipeline", so an alert on verdicts sees it beside the stages'.
+        label = str(PIPELINE) if StageRef(stage_id).whole_pipeline else str(stage_id)
+        return f'stage="{label}",stage_name="{escape(self._stage_name(stage_id))}"'
 
     def _stage(self, stage_id: int, host: str) -> _StageLines:
         lines = self._stage_lines.get(stage_id)
@@ -553,7 +559,7 @@ class MetricsExposition:
 
         out.append(_HEADERS["verdicts_total"])
         verdicts = state.counters.verdicts
-        for lines in stages.values():
+        for lines in (*stages.values(), self._stage(PIPELINE.stage_id, local)):
             out += (f"{prefix}{verdicts.get(key, 0)}" for key, prefix in lines.verdicts)
 
     def _spans(self, out: list[str], state: WatchdogState) -> None:

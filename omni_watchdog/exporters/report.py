@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from omni_watchdog.types import PIPELINE, StageRef
+
 # Outcome and state names, by the colour family that carries them; the text is always shown
 # beside the colour, so the page reads the same in grey or without its CSS.
 _GOOD = frozenset(
@@ -238,11 +240,14 @@ def _items(value: Any) -> list[Any]:
 
 
 def _stage_text(value: Any) -> str:
-    """A stage as `to_jsonable` writes a StageRef (or as "1.0" already), "" when none."""
+    """A stage as `to_jsonable` writes a StageRef (or as "1.0" already), "" when none;
+    `PIPELINE` (the target, no stage proved the one) as "pipeline"."""
     if isinstance(value, Mapping):
         stage_id, replica = value.get("stage_id"), value.get("replica", 0)
         if stage_id is None:
             return ""
+        if isinstance(stage_id, int) and StageRef(stage_id).whole_pipeline:
+            return str(PIPELINE)
         return f"{_text(stage_id)}.{_text(replica)}"
     return _text(value)
 
@@ -960,9 +965,14 @@ def _evidence(report: _Report) -> str:
                 f'<p class="cause">Cause: <strong>{_e(_text(cause.get("cause")))}</strong>'
                 f" ({advancing}): {_e(_text(cause.get('detail')))}</p>\n"
             )
+        subject = (
+            "Target, stage unknown"
+            if stage == str(PIPELINE)
+            else f"Stage {report.stage_label(stage)}"
+        )
         blocks.append(
             f'<article class="verdict" data-stage="{_e(stage)}" data-state="{_e(state)}">\n'
-            f"<h3>Stage {_e(report.stage_label(stage))}: {_badge(state)}</h3>\n"
+            f"<h3>{_e(subject)}: {_badge(state)}</h3>\n"
             f"<p>Verdict at {when}</p>\n{doing}{table}</article>\n"
         )
     return "".join(blocks)

@@ -26,15 +26,20 @@ def target_health(state: WatchdogState) -> tuple[int, str]:
     if report is None:
         return 503, "no evaluation yet"
     bad = [s for s in report.statuses if s.state not in _LIVE_STATES and not s.remote]
+    pipeline = report.pipeline
+    if pipeline is not None and pipeline.state not in _LIVE_STATES:
+        bad.insert(0, pipeline)
     if not bad:
         return 200, "every stage is healthy or degraded"
     reasons = []
     for status in bad:
         why = "; ".join(e.detail for e in status.evidence[:2])
-        reasons.append(
-            f"stage {status.stage} ({status.name}) {status.state.value}"
-            + (f": {why}" if why else "")
+        subject = (
+            f"target {status.state.value}, stage unknown"
+            if status.stage.whole_pipeline
+            else f"stage {status.stage} ({status.name}) {status.state.value}"
         )
+        reasons.append(subject + (f": {why}" if why else ""))
     return 503, "\n".join(reasons)
 
 
@@ -130,6 +135,18 @@ def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
             "stages": [to_jsonable(stage) for stage in state.topology.stages],
         },
         "stages": stages,
+        # The target as a whole while its /health or canary fails and no stage's own
+        # readings answer for it ("target stalled, stage unknown"); null otherwise.
+        "pipeline": None
+        if report is None or report.pipeline is None
+        else {
+            "state": report.pipeline.state.value,
+            "since": wall(report.pipeline.since),
+            "evidence": [
+                {"kind": e.kind.value, "since": wall(e.since), "detail": e.detail}
+                for e in report.pipeline.evidence
+            ],
+        },
         "processes": [
             {
                 "pid": p.pid,

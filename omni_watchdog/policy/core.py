@@ -209,7 +209,7 @@ class Policy:
         target = snapshot()
         if target.root is not None and target.root in self._handled_roots:
             return None
-        cause = "; ".join(f"stage {v.stage} {v.state.value}" for v in verdicts)
+        cause = "; ".join(v.describe() for v in verdicts)
         return self._open(cause, verdicts, target)
 
     def _on_exit(self, exit_: TargetExit, target: TargetSnapshot) -> asyncio.Task[Incident] | None:
@@ -415,9 +415,12 @@ class Policy:
         report = self._latest
         stages = {v.stage for v in incident.verdicts}
         if stages and report is not None:
+            # The target as a whole (`PIPELINE`) stands beside the stages while no stage
+            # answers for its failing /health or canary.
+            standing = (*report.statuses, *(() if report.pipeline is None else (report.pipeline,)))
             bad = {
                 s.stage
-                for s in report.statuses
+                for s in standing
                 if s.state in (StageState.STALLED, StageState.DEAD)
                 # A remote stage whose replica is missing may show only as unknown here.
                 or (s.remote and s.state is StageState.UNKNOWN)

@@ -20,6 +20,7 @@ from omni_watchdog.detector.expectations import (
 )
 from omni_watchdog.probes.processes import ThreadWaits
 from omni_watchdog.types import (
+    PIPELINE,
     DetectorReport,
     EvidenceKind,
     HealthOutcome,
@@ -742,15 +743,17 @@ BROKEN_AT_ATTACH = DetectionConfig(startup_timeout=30.0)
 
 
 @pytest.mark.parametrize(
-    ("name", "world", "change", "earliest", "latest", "state"),
+    ("name", "world", "change", "earliest", "latest", "judged", "state"),
     [
         (
-            # The server's 503 says an engine is dead (0.30: a stage has no live replica).
+            # The server's 503 says an engine is dead (0.30: a stage has no live replica);
+            # no stage beats or has a process to show, so which one is unknown.
             "/health 503 since attach: judged once startup_timeout has passed",
             World(health=HealthOutcome.UNHEALTHY, heartbeats=set(), canary=HealthOutcome.ERROR),
             None,
             30,
             31,
+            PIPELINE,
             StageState.DEAD,
         ),
         (
@@ -759,6 +762,7 @@ BROKEN_AT_ATTACH = DetectionConfig(startup_timeout=30.0)
             None,
             30,
             31,
+            PIPELINE,
             StageState.STALLED,
         ),
         (
@@ -771,6 +775,7 @@ BROKEN_AT_ATTACH = DetectionConfig(startup_timeout=30.0)
             after(3, lambda world: world.engines.update({S1: ProcessStatus.EXITED})),
             3,
             4,
+            S1,
             StageState.DEAD,
         ),
     ],
@@ -781,6 +786,7 @@ def test_a_target_broken_at_attach_is_judged(
     change: Callable[[World, int], None] | None,
     earliest: int,
     latest: int,
+    judged: StageRef,
     state: StageState,
 ) -> None:
     reports = run(THREE_STAGES, world, 40, change, BROKEN_AT_ATTACH)
@@ -789,7 +795,9 @@ def test_a_target_broken_at_attach_is_judged(
     assert found is not None, name
     second, verdict = found
     assert earliest <= second <= latest, name
-    assert verdict.state is state, name
+    assert (verdict.stage, verdict.state) == (judged, state), name
+    # One verdict: a stage its readings cannot prove is never judged for the target.
+    assert [v.stage for r in reports for v in r.verdicts] == [judged], name
 
 
 def test_a_slow_start_is_not_judged_before_startup_timeout() -> None:

@@ -8,10 +8,21 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e.harness import FAST, SIM_ENV, attached, run_scenario, with_fault
+from e2e.harness import (
+    FAST,
+    RECOVERED,
+    SIM_ENV,
+    attached,
+    in_background,
+    incident_done,
+    run_scenario,
+    steps_of,
+    warmed_up,
+    with_fault,
+)
 
 from omni_watchdog.demo import send_request, wait_for
-from omni_watchdog.types import EvidenceKind, StageRef, StageState
+from omni_watchdog.types import PIPELINE, EvidenceKind, StageRef, StageState
 
 pytestmark = pytest.mark.e2e
 STAGE_FIELDS = {
@@ -127,3 +138,52 @@ def test_plain_single_stage_server_without_the_plugin(tmp_path: Path) -> None:
             assert watchdog.receiver.stats.spans_accepted == 0
 
     run_scenario(scenario())
+
+
+def test_without_the_plugin_a_stall_blames_no_stage_it_cannot_prove(tmp_path: Path) -> None:
+    """0.30, the sidecar alone: a silent stall on the thinker leaves no heartbeat to lose,
+    and the stage's gauges freeze, so only the canary says the target is stuck. The
+    thinker or the target as a whole is judged and the server ended; the talker and
+    code2wav, idle and fine, are never judged stalled for it."""
+    neighbours = (StageRef(1), StageRef(2))
+    seen: dict[StageRef, set[StageState]] = {ref: set() for ref in neighbours}
+
+    async def note_states(watchdog: Any) -> None:
+        # Until the incident opens: once the ladder ends the server, every stage is dead
+        # with it ("the server exited"), which is no verdict.
+        while not watchdog.policy.incidents():
+            report = watchdog.state.report
+            for status in report.statuses if report else ():
+                if status.stage in seen:
+                    seen[status.stage].add(status.state)
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> Any:
+        async with attached(
+            tmp_path,
+            [],
+            "0.30",
+            "enforce",
+            FAST,
+            None,
+            {**SIM_ENV, "OMNI_WATCHDOG_OTLP_ENDPOINT": ""},
+        ) as (watchdog, server):
+            await warmed_up(watchdog)
+            noting = asyncio.get_running_loop().create_task(note_states(watchdog))
+            # Armed now, not at start: the canary is a request too and would fire it early.
+            await with_fault(server, {"kind": "silent-stall", "stage": 0})
+            in_background(server.url)
+            incident = await incident_done(watchdog, 60)
+            noting.cancel()
+            assert watchdog.receiver.stats.spans_accepted == 0
+            return incident, server.leftover_pids()
+
+    incident, leftovers = run_scenario(scenario())
+    assert [v.stage for v in incident.verdicts] in ([StageRef(0)], [PIPELINE])
+    assert incident.verdicts[0].state is StageState.STALLED
+    assert EvidenceKind.CANARY_FAILED in {e.kind for e in incident.verdicts[0].evidence}
+    for ref, states in seen.items():
+        assert StageState.STALLED not in states and StageState.DEAD not in states, (ref, states)
+    # Acted on all the same: a real hang is never left standing for want of a stage.
+    assert incident.outcome in RECOVERED, steps_of(incident)
+    assert not leftovers, f"processes left running: {leftovers}"

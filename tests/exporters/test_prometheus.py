@@ -214,7 +214,8 @@ def test_a_host_renamed_at_every_scrape_keeps_the_series_and_labels_bounded(
         assert f'host="host-{n}"' in text and f'host="host-{n - 1}"' not in text
         counts.add(sum(1 for line in text.splitlines() if not line.startswith("#")))
     assert len(counts) == 1
-    assert len(exposition._replica_lines) == 4 and len(exposition._stage_lines) == 3
+    # Three stages' lines and the pipeline's (its verdicts: no stage proved the one).
+    assert len(exposition._replica_lines) == 4 and len(exposition._stage_lines) == 3 + 1
 
 
 def test_every_series_exists_before_anything_happened() -> None:
@@ -249,8 +250,10 @@ def test_every_series_exists_before_anything_happened() -> None:
     }
     assert len(starting) == 4
     verdicts = [k for k in found if k[0] == "omni_watchdog_verdicts_total"]
-    assert len(verdicts) == 3 * 2 * len(EvidenceKind)
+    # Three stages and the pipeline (a verdict no stage could be proved the one for).
+    assert len(verdicts) == (3 + 1) * 2 * len(EvidenceKind)
     assert all(found[k] == 0 for k in verdicts)
+    assert {dict(k[1])["stage"] for k in verdicts} == {"0", "1", "2", "pipeline"}
     steps = [k for k in found if k[0] == "omni_watchdog_ladder_steps_total"]
     assert len(steps) == len(StepName) * len(StepOutcome)
     assert found[("omni_watchdog_probe_up", (("probe", "gpu"),))] == 0

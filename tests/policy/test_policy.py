@@ -40,6 +40,7 @@ from omni_watchdog.policy.ladder import (
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.target import TargetWatch
 from omni_watchdog.types import (
+    PIPELINE,
     DetectorReport,
     Evidence,
     EvidenceKind,
@@ -882,3 +883,28 @@ def test_a_remote_stage_s_verdict_is_never_acted_on(
     assert fake_psutil.signals == []
     (event,) = policy_events.named("remote_stage_judged")
     assert event["stage"] == "1.0" and event["state"] == "dead"
+
+
+def test_a_verdict_on_the_whole_pipeline_is_acted_on_like_a_stage_s(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    """Without the plugin a failing canary may prove no stage: the target is judged as a
+    whole, and the ladder, which ends the whole server anyway, ends it as for a stage."""
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+    canary = Evidence(EvidenceKind.CANARY_FAILED, PIPELINE, 990.0, "canary timeout")
+    verdict = Verdict(PIPELINE, StageState.STALLED, 1000.0, (canary,))
+
+    async def scenario() -> Incident | None:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            task = policy.on_report(report(verdicts=(verdict,)), rig.snapshot)
+            return None if task is None else await task
+
+    incident = asyncio.run(scenario())
+    assert incident is not None and incident.cause == "target stalled, stage unknown"
+    assert incident.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    assert fake_psutil.signals == [("killpg", 100, TERM)]
+    # The journal keeps it as the pipeline's, for a restarted watchdog and the report.
+    entries = IncidentJournal(tmp_path / "journal.jsonl", StateWriteErrors()).replay()
+    assert [e.incident.verdicts[0].stage for e in entries] == [PIPELINE]
