@@ -205,6 +205,7 @@ def _assemble(
         SignalGuard(process_table, tracker.is_recorded, start_time=start_time), session
     )
     py_spy = find_py_spy()
+    activity: ActivityProbe | None = None
     if process_table is psutil:
         # /proc and py-spy read this kernel's processes; a fake table's pids are not its.
         activity = ActivityProbe(
@@ -299,6 +300,7 @@ def _assemble(
         operator=operator,
         host=host,
         link=link,
+        activity=activity if ActivityProbe.name in enabled else None,
     )
     first = assembler.make(topology, None, None)
     exposition = MetricsExposition(clock, first)

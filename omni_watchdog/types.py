@@ -532,6 +532,11 @@ class ProbeHealth:
     errors_total: int = 0
     last_error: str = ""
     last_duration: float = 0.0
+    # Python stack samples (py-spy) that runs of the probe could not take, for a probe that
+    # takes them (the activity probe; None for the others): each run went on with the
+    # kernel's view only, so it stays up while its causes lose their frames.
+    stack_sample_errors_total: int | None = None
+    last_stack_sample_error: str = ""
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ EXPORTER_FAMILIES = {
     "omni_watchdog_target_liveness": "gauge",
     "omni_watchdog_probe_up": "gauge",
     "omni_watchdog_probe_errors_total": "counter",
+    "omni_watchdog_probe_stack_sample_errors_total": "counter",
     "omni_watchdog_probe_duration_seconds": "gauge",
     "omni_watchdog_stage_state": "gauge",
     "omni_watchdog_stage_remote": "gauge",

@@ -95,6 +95,12 @@ FAMILIES = (
     ("target_liveness", "gauge", "Whether /v1/target/health would answer 200 now."),
     ("probe_up", "gauge", "Whether the probe's last run succeeded."),
     ("probe_errors_total", "counter", "Runs of the probe that failed."),
+    (
+        "probe_stack_sample_errors_total",
+        "counter",
+        "Python stack samples (py-spy) the probe could not take; its runs went on with the"
+        " kernel's view of the threads only.",
+    ),
     ("probe_duration_seconds", "gauge", "How long the probe's last run took."),
     ("stage_state", "gauge", "The detector's state of the stage replica, 1 for the current one."),
     (
@@ -454,6 +460,13 @@ class MetricsExposition:
         out += (f'{PREFIX}probe_up{{probe="{h.name}"}} {int(h.up)}' for h in rows)
         out.append(_HEADERS["probe_errors_total"])
         out += (f'{PREFIX}probe_errors_total{{probe="{h.name}"}} {h.errors_total}' for h in rows)
+        out.append(_HEADERS["probe_stack_sample_errors_total"])
+        out += (
+            f'{PREFIX}probe_stack_sample_errors_total{{probe="{h.name}"}}'
+            f" {h.stack_sample_errors_total}"
+            for h in rows
+            if h.stack_sample_errors_total is not None
+        )
         out.append(_HEADERS["probe_duration_seconds"])
         out += (
             f'{PREFIX}probe_duration_seconds{{probe="{h.name}"}} {number(h.last_duration)}'

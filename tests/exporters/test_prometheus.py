@@ -106,7 +106,7 @@ def test_every_family_of_the_contract_is_present(scripted: Scripted) -> None:
     # The parser names counters without their _total suffix.
     expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
     assert names == expected
-    assert len(FAMILY_NAMES) == 46
+    assert len(FAMILY_NAMES) == 47
 
 
 def test_content_type_is_the_text_format() -> None:
@@ -154,6 +154,10 @@ def test_state_shows_the_scripted_story(scripted: Scripted) -> None:
     assert value("target_health_status", outcome="ok") == 1
     assert value("probe_up", probe="canary") == 0
     assert value("probe_errors_total", probe="canary") == 3
+    # Only the activity probe samples stacks: no other probe has a series for them.
+    assert value("probe_stack_sample_errors_total", probe="activity") == 2
+    stack_samples = [key for key in found if key[0].startswith("omni_watchdog_probe_stack")]
+    assert len(stack_samples) == 1, stack_samples
     assert value("incidents_total", outcome="recovered_by_term") == 1
     assert value("incidents_total", outcome="planned") == 1
     assert value("incident_open") == 1

@@ -308,10 +308,20 @@ def scripted_state(
 
     rejected = dict.fromkeys(REJECTION_REASONS, 0)
     rejected["decode_error"] = 2
+    failed_probes = {
+        "canary": ProbeHealth(
+            "canary", up=False, errors_total=3, last_error="timeout", last_duration=5.0
+        ),
+        # Up, with two stack samples of the silent stage that py-spy could not take.
+        "activity": ProbeHealth(
+            "activity",
+            last_duration=0.004,
+            stack_sample_errors_total=2,
+            last_stack_sample_error="pid 1002: py-spy gave no dump in 2s: ",
+        ),
+    }
     probes = tuple(
-        ProbeHealth("canary", up=False, errors_total=3, last_error="timeout", last_duration=5.0)
-        if name == "canary"
-        else ProbeHealth(name, last_duration=0.004)
+        failed_probes.get(name) or ProbeHealth(name, last_duration=0.004)
         for name in sorted(config.probes.enabled)
     )
     state = WatchdogState(
