@@ -18,7 +18,7 @@ import psutil
 
 from omni_watchdog import process_start
 from omni_watchdog.app import CANARY_CHECK_EVERY, SPANS_EVERY, Watchdog
-from omni_watchdog.config import WatchdogConfig
+from omni_watchdog.config import WORKING_CAUSES, WatchdogConfig
 from omni_watchdog.detector import Detector
 from omni_watchdog.exporters.api import JsonApi
 from omni_watchdog.exporters.history import IncidentHistory
@@ -303,7 +303,8 @@ def _assemble(
         activity=activity if ActivityProbe.name in enabled else None,
     )
     first = assembler.make(topology, None, None)
-    exposition = MetricsExposition(clock, first)
+    work_budgets = {cause: config.detection.work_budget(cause) for cause in WORKING_CAUSES}
+    exposition = MetricsExposition(clock, first, work_budgets)
     api = JsonApi(clock, first, exposition, bundles, journal.actions)
     exporters: list[Exporter] = [exposition, api, IncidentHistory(bundles.write_json)]
     traces = IncidentTraces(config.otlp_export_endpoint) if config.otlp_export_endpoint else None

@@ -336,6 +336,10 @@ class StageCause:
     since: float
     working: bool
     detail: str
+    # Since when its work has advanced without a break, whatever it did meanwhile (a
+    # compile, then the compiler child it waits on): its work budget counts from then.
+    # None while its work does not advance.
+    working_since: float | None = None
 
 
 @dataclass(frozen=True)

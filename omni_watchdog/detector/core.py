@@ -791,7 +791,7 @@ class Detector:
             worked = now - memory.working_since
             if worked >= budget:
                 detail += f"; working for {worked:.0f}s, past its {budget:g}s budget"
-        memory.cause = StageCause(found.cause, since, found.working, detail)
+        memory.cause = StageCause(found.cause, since, found.working, detail, memory.working_since)
         return memory.cause
 
     def _excused(self, memory: _StageMemory, now: float) -> frozenset[EvidenceKind]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from omni_watchdog import __version__
@@ -40,6 +40,7 @@ from omni_watchdog.types import (
     IncidentOutcome,
     ProcessRole,
     ProcessStatus,
+    SilenceCause,
     StageRef,
     StageState,
     StageStatus,
@@ -124,6 +125,19 @@ FAMILIES = (
         "gauge",
         "Seconds a silent stage replica has been doing what `cause` names (compiling,"
         " waiting_on_child, spinning, ...); no series while it is not silent.",
+    ),
+    (
+        "stage_work_seconds",
+        "gauge",
+        "Seconds a silent stage replica's work has visibly advanced without a break, as"
+        " charged against its work budget; `cause` is what it does now. No series while its"
+        " work does not advance.",
+    ),
+    (
+        "work_budget_seconds",
+        "gauge",
+        "How long work of `cause` that visibly advances may keep a stage silent before the"
+        " stage can be judged (detection.work_timeout, or its detection.work_timeouts entry).",
     ),
     (
         "stage_requests_in_flight",
@@ -326,9 +340,19 @@ class MetricsExposition:
 
     content_type = CONTENT_TYPE
 
-    def __init__(self, clock: Clock, state: WatchdogState) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        state: WatchdogState,
+        work_budgets: Mapping[SilenceCause, float],
+    ) -> None:
+        """`work_budgets`: the configured budget of each cause that can be work advancing."""
         self._clock = clock
         self._state = state
+        self._work_budgets = tuple(
+            f'{PREFIX}work_budget_seconds{{cause="{cause.value}"}} {number(seconds)}'
+            for cause, seconds in work_budgets.items()
+        )
         # Label text is made once per stage: formatting it on every scrape was most of the cost.
         # One entry per stage, remade when its host changes, so that a host named anew by
         # each span cannot grow them.
@@ -532,6 +556,18 @@ class MetricsExposition:
                     f"{PREFIX}stage_silence_seconds{{{replicas[ref].labels},"
                     f'cause="{cause.cause.value}"}} {number(now - cause.since)}'
                 )
+
+        out.append(_HEADERS["stage_work_seconds"])
+        for ref in refs:
+            status = statuses.get(ref)
+            cause = status.cause if status is not None else None
+            if cause is not None and cause.working_since is not None:
+                out.append(
+                    f"{PREFIX}stage_work_seconds{{{replicas[ref].labels},"
+                    f'cause="{cause.cause.value}"}} {number(now - cause.working_since)}'
+                )
+        out.append(_HEADERS["work_budget_seconds"])
+        out += self._work_budgets
 
         requests = report.requests if report is not None else {}
         out.append(_HEADERS["stage_requests_in_flight"])

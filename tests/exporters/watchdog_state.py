@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from omni_watchdog.clock import FakeClock
-from omni_watchdog.config import WatchdogConfig
+from omni_watchdog.config import WORKING_CAUSES, WatchdogConfig
 from omni_watchdog.detector import Detector
 from omni_watchdog.exporters.prometheus import MetricsExposition
 from omni_watchdog.probes.gpu import observations_of
@@ -42,6 +42,7 @@ from omni_watchdog.types import (
     ReceiverStats,
     RemediationView,
     SelfHealth,
+    SilenceCause,
     SpanOutcome,
     Stage,
     StageRef,
@@ -61,6 +62,10 @@ UNMAPPED_PID = 99_999
 STALLED_STAGE = 1
 GIB = 2**30
 HOST = "gpu-node-a"
+# The defaults, but for compiling: a JIT build's budget raised, as the runbook suggests.
+WORK_BUDGETS = {
+    cause: 1800.0 if cause is SilenceCause.COMPILING else 600.0 for cause in WORKING_CAUSES
+}
 REMOTE_HOST = "gpu-node-b"
 
 
@@ -72,7 +77,7 @@ class Scripted:
     clock: FakeClock
 
     def exposition(self) -> MetricsExposition:
-        return MetricsExposition(self.clock, self.state)
+        return MetricsExposition(self.clock, self.state, WORK_BUDGETS)
 
     def rendered(self) -> str:
         return self.exposition().render().decode()
