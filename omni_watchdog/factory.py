@@ -271,6 +271,7 @@ def _assemble(
         target.alive,
         errors.record,
         MaintenanceWindow(clock),
+        detector.activity_readings,
     )
     operator = OperatorActions(
         token=config.operator_token,

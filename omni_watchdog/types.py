@@ -117,6 +117,19 @@ class ProcessActivity:
     stacks_read: bool = False
 
 
+@dataclass(frozen=True)
+class ProcessReadings:
+    """What the detector keeps of one stage process while its stage is silent: its latest
+    reading, its latest ones with Python stacks (oldest first), and the cause it found in
+    them (None before a second reading), in the words of that finding."""
+
+    latest: ProcessActivity
+    sampled: tuple[ProcessActivity, ...] = ()
+    cause: SilenceCause | None = None
+    working: bool = False
+    detail: str = ""
+
+
 class SpanOutcome(str, enum.Enum):
     """How the request a stage span covers ended at that stage."""
 

@@ -105,10 +105,13 @@ class Work:
         return ProcessActivity(201, now, (main,), children, stacks)
 
 
-def drive(work: Work, seconds: float, config: DetectionConfig) -> list[DetectorReport]:
+def drive(
+    work: Work, seconds: float, config: DetectionConfig, detector: Detector | None = None
+) -> list[DetectorReport]:
+    """The reports of `seconds` of `work`, judged by `detector` (a new one by default)."""
     clock = FakeClock()
     start = clock.monotonic()
-    detector = Detector(config, PIPELINE, start)
+    detector = detector or Detector(config, PIPELINE, start)
     for tick in range(int(seconds / STEP) + 1):
         now = clock.monotonic()
         elapsed = now - start
