@@ -535,6 +535,35 @@ def stages(layout: Layout) -> None:
         12,
         8,
     )
+    layout.add(
+        timeseries(
+            "Silent stages: their cause, and work against its budget",
+            "Seconds each silent stage has been doing what its cause names; for work that"
+            " advances (compiling, waiting_on_child, loading, computing), the time charged"
+            " against its budget, and the budget of each cause. Work past its budget is"
+            " judged like a hang.",
+            [
+                target(
+                    f"omni_watchdog_stage_silence_seconds{{{STAGE}}}",
+                    "silent {{stage}}.{{replica}} {{stage_name}} on {{host}}: {{cause}}",
+                    "A",
+                ),
+                target(
+                    f"omni_watchdog_stage_work_seconds{{{STAGE}}}",
+                    "working {{stage}}.{{replica}} {{stage_name}} on {{host}}: {{cause}}",
+                    "B",
+                ),
+                target(
+                    f"max by (cause) (omni_watchdog_work_budget_seconds{{{INSTANCE}}})",
+                    "budget {{cause}}",
+                    "C",
+                ),
+            ],
+            unit="s",
+        ),
+        12,
+        8,
+    )
 
 
 def gpus(layout: Layout) -> None:

@@ -18,7 +18,7 @@ import psutil
 
 from omni_watchdog import process_start
 from omni_watchdog.app import CANARY_CHECK_EVERY, SPANS_EVERY, Watchdog
-from omni_watchdog.config import WatchdogConfig
+from omni_watchdog.config import WORKING_CAUSES, WatchdogConfig
 from omni_watchdog.detector import Detector
 from omni_watchdog.exporters.api import JsonApi
 from omni_watchdog.exporters.history import IncidentHistory
@@ -205,6 +205,7 @@ def _assemble(
         SignalGuard(process_table, tracker.is_recorded, start_time=start_time), session
     )
     py_spy = find_py_spy()
+    activity: ActivityProbe | None = None
     if process_table is psutil:
         # /proc and py-spy read this kernel's processes; a fake table's pids are not its.
         activity = ActivityProbe(
@@ -270,6 +271,7 @@ def _assemble(
         target.alive,
         errors.record,
         MaintenanceWindow(clock),
+        detector.activity_readings,
     )
     operator = OperatorActions(
         token=config.operator_token,
@@ -299,9 +301,11 @@ def _assemble(
         operator=operator,
         host=host,
         link=link,
+        activity=activity if ActivityProbe.name in enabled else None,
     )
     first = assembler.make(topology, None, None)
-    exposition = MetricsExposition(clock, first)
+    work_budgets = {cause: config.detection.work_budget(cause) for cause in WORKING_CAUSES}
+    exposition = MetricsExposition(clock, first, work_budgets)
     api = JsonApi(clock, first, exposition, bundles, journal.actions)
     exporters: list[Exporter] = [exposition, api, IncidentHistory(bundles.write_json)]
     traces = IncidentTraces(config.otlp_export_endpoint) if config.otlp_export_endpoint else None

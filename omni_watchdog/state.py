@@ -9,6 +9,7 @@ from omni_watchdog.detector import Detector
 from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.core import Policy
 from omni_watchdog.policy.incidents import StateWriteErrors
+from omni_watchdog.probes.activity import ActivityProbe
 from omni_watchdog.probes.link import MasterLinkProbe
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.spans import SpanReceiver
@@ -20,6 +21,7 @@ from omni_watchdog.types import (
     Clock,
     DetectorReport,
     Incident,
+    ProbeHealth,
     RemediationView,
     SelfHealth,
     TargetView,
@@ -49,11 +51,14 @@ class StateAssembler:
         operator: OperatorActions,
         host: str = "",
         link: MasterLinkProbe | None = None,
+        activity: ActivityProbe | None = None,
     ) -> None:
         """`listeners` is read at each state: the watchdog fills it as it binds them.
-        `host` names this host; `link` is a headless stage's link probe."""
+        `host` names this host; `link` is a headless stage's link probe; `activity` the
+        activity probe, whose failed stack samples join its health."""
         self._host = host
         self._link = link
+        self._activity = activity
         self._clock = clock
         self._target = target
         self._tracker = tracker
@@ -93,7 +98,7 @@ class StateAssembler:
             report=self._with_hosts(report),
             processes=tracker.recorded(),
             gpu=self._target.last_gpu(),
-            probes=self._probes.snapshot(),
+            probes=self.probe_health(),
             receiver=self._receiver.stats,
             remediation=RemediationView(
                 mode=policy.mode,
@@ -110,6 +115,24 @@ class StateAssembler:
             self_health=self.self_health(last_evaluation),
             host=self._host,
             link=self._link.state() if self._link is not None else None,
+        )
+
+    def probe_health(self) -> tuple[ProbeHealth, ...]:
+        """Each probe's runs, and the activity probe's stack samples that failed within
+        runs that succeeded (the board sees only whole runs)."""
+        health = self._probes.snapshot()
+        activity = self._activity
+        if activity is None:
+            return health
+        return tuple(
+            dataclasses.replace(
+                each,
+                stack_sample_errors_total=activity.stack_failures,
+                last_stack_sample_error=activity.last_stack_error,
+            )
+            if each.name == activity.name
+            else each
+            for each in health
         )
 
     def _with_hosts(self, report: DetectorReport | None) -> DetectorReport | None:

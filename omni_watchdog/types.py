@@ -117,6 +117,19 @@ class ProcessActivity:
     stacks_read: bool = False
 
 
+@dataclass(frozen=True)
+class ProcessReadings:
+    """What the detector keeps of one stage process while its stage is silent: its latest
+    reading, its latest ones with Python stacks (oldest first), and the cause it found in
+    them (None before a second reading), in the words of that finding."""
+
+    latest: ProcessActivity
+    sampled: tuple[ProcessActivity, ...] = ()
+    cause: SilenceCause | None = None
+    working: bool = False
+    detail: str = ""
+
+
 class SpanOutcome(str, enum.Enum):
     """How the request a stage span covers ended at that stage."""
 
@@ -348,6 +361,10 @@ class StageCause:
     since: float
     working: bool
     detail: str
+    # Since when its work has advanced without a break, whatever it did meanwhile (a
+    # compile, then the compiler child it waits on): its work budget counts from then.
+    # None while its work does not advance.
+    working_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -554,6 +571,11 @@ class ProbeHealth:
     errors_total: int = 0
     last_error: str = ""
     last_duration: float = 0.0
+    # Python stack samples (py-spy) that runs of the probe could not take, for a probe that
+    # takes them (the activity probe; None for the others): each run went on with the
+    # kernel's view only, so it stays up while its causes lose their frames.
+    stack_sample_errors_total: int | None = None
+    last_stack_sample_error: str = ""
 
 
 @dataclass(frozen=True)

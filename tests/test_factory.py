@@ -25,7 +25,11 @@ from omni_watchdog.factory import build_watchdog
 def test_a_built_watchdog_renders_and_serves_before_it_starts(tmp_path: Path) -> None:
     config = load_config(
         None,
-        overrides={"target": "http://127.0.0.1:8000", "state_dir": str(tmp_path / "state")},
+        overrides={
+            "target": "http://127.0.0.1:8000",
+            "state_dir": str(tmp_path / "state"),
+            "detection": {"work_timeouts": {"compiling": "30m"}},
+        },
         environ={},
     )
 
@@ -46,6 +50,9 @@ def test_a_built_watchdog_renders_and_serves_before_it_starts(tmp_path: Path) ->
             await watchdog.stop()
 
     body, healthz, status = asyncio.run(scenario())
+    # The budgets the detector grants work are the configured ones.
+    assert 'omni_watchdog_work_budget_seconds{cause="compiling"} 1800.0' in body
+    assert 'omni_watchdog_work_budget_seconds{cause="loading"} 600.0' in body
     names = {family.name for family in text_string_to_metric_families(body)}
     assert names == {name.removesuffix("_total") for name in FAMILY_NAMES}
     # Not evaluating yet: the watchdog says so rather than claiming health.

@@ -48,6 +48,7 @@ from omni_watchdog.types import (
     ObservationKind,
     ProcessActivity,
     ProcessInfo,
+    ProcessReadings,
     ProcessRole,
     ProcessStatus,
     SilenceCause,
@@ -528,6 +529,23 @@ class Detector:
         memory = self._stages.get(ref)
         return memory.progress_changed_at if memory else None
 
+    def activity_readings(self, ref: StageRef) -> tuple[ProcessReadings, ...]:
+        """The readings of each of the stage's processes that its cause was last found
+        from, by pid; none once it is no longer silent. For the bundle of a verdict."""
+        memory = self._stages.get(ref)
+        if memory is None:
+            return ()
+        return tuple(
+            ProcessReadings(
+                known.latest,
+                tuple(known.sampled),
+                None if known.finding is None else known.finding.cause,
+                known.finding is not None and known.finding.working,
+                "" if known.finding is None else known.finding.detail,
+            )
+            for _, known in sorted(memory.activity.items())
+        )
+
     def silent_stages(self, now: float) -> tuple[StageRef, ...]:
         """The local stage replicas whose processes are worth reading for a cause now: their
         loop has stopped beating, or their counters stay flat under load (see
@@ -925,7 +943,7 @@ class Detector:
             worked = now - memory.working_since
             if worked >= budget:
                 detail += f"; working for {worked:.0f}s, past its {budget:g}s budget"
-        memory.cause = StageCause(found.cause, since, found.working, detail)
+        memory.cause = StageCause(found.cause, since, found.working, detail, memory.working_since)
         return memory.cause
 
     def _excused(self, memory: _StageMemory, now: float) -> frozenset[EvidenceKind]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from omni_watchdog import __version__
@@ -41,6 +41,7 @@ from omni_watchdog.types import (
     IncidentOutcome,
     ProcessRole,
     ProcessStatus,
+    SilenceCause,
     StageRef,
     StageState,
     StageStatus,
@@ -96,6 +97,12 @@ FAMILIES = (
     ("target_liveness", "gauge", "Whether /v1/target/health would answer 200 now."),
     ("probe_up", "gauge", "Whether the probe's last run succeeded."),
     ("probe_errors_total", "counter", "Runs of the probe that failed."),
+    (
+        "probe_stack_sample_errors_total",
+        "counter",
+        "Python stack samples (py-spy) the probe could not take; its runs went on with the"
+        " kernel's view of the threads only.",
+    ),
     ("probe_duration_seconds", "gauge", "How long the probe's last run took."),
     ("stage_state", "gauge", "The detector's state of the stage replica, 1 for the current one."),
     (
@@ -119,6 +126,19 @@ FAMILIES = (
         "gauge",
         "Seconds a silent stage replica has been doing what `cause` names (compiling,"
         " waiting_on_child, spinning, ...); no series while it is not silent.",
+    ),
+    (
+        "stage_work_seconds",
+        "gauge",
+        "Seconds a silent stage replica's work has visibly advanced without a break, as"
+        " charged against its work budget; `cause` is what it does now. No series while its"
+        " work does not advance.",
+    ),
+    (
+        "work_budget_seconds",
+        "gauge",
+        "How long work of `cause` that visibly advances may keep a stage silent before the"
+        " stage can be judged (detection.work_timeout, or its detection.work_timeouts entry).",
     ),
     (
         "stage_requests_in_flight",
@@ -321,9 +341,19 @@ class MetricsExposition:
 
     content_type = CONTENT_TYPE
 
-    def __init__(self, clock: Clock, state: WatchdogState) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        state: WatchdogState,
+        work_budgets: Mapping[SilenceCause, float],
+    ) -> None:
+        """`work_budgets`: the configured budget of each cause that can be work advancing."""
         self._clock = clock
         self._state = state
+        self._work_budgets = tuple(
+            f'{PREFIX}work_budget_seconds{{cause="{cause.value}"}} {number(seconds)}'
+            for cause, seconds in work_budgets.items()
+        )
         # Label text is made once per stage: formatting it on every scrape was most of the cost.
         # One entry per stage, remade when its host changes, so that a host named anew by
         # each span cannot grow them.
@@ -460,6 +490,13 @@ class MetricsExposition:
         out += (f'{PREFIX}probe_up{{probe="{h.name}"}} {int(h.up)}' for h in rows)
         out.append(_HEADERS["probe_errors_total"])
         out += (f'{PREFIX}probe_errors_total{{probe="{h.name}"}} {h.errors_total}' for h in rows)
+        out.append(_HEADERS["probe_stack_sample_errors_total"])
+        out += (
+            f'{PREFIX}probe_stack_sample_errors_total{{probe="{h.name}"}}'
+            f" {h.stack_sample_errors_total}"
+            for h in rows
+            if h.stack_sample_errors_total is not None
+        )
         out.append(_HEADERS["probe_duration_seconds"])
         out += (
             f'{PREFIX}probe_duration_seconds{{probe="{h.name}"}} {number(h.last_duration)}'
@@ -525,6 +562,18 @@ class MetricsExposition:
                     f"{PREFIX}stage_silence_seconds{{{replicas[ref].labels},"
                     f'cause="{cause.cause.value}"}} {number(now - cause.since)}'
                 )
+
+        out.append(_HEADERS["stage_work_seconds"])
+        for ref in refs:
+            status = statuses.get(ref)
+            cause = status.cause if status is not None else None
+            if cause is not None and cause.working_since is not None:
+                out.append(
+                    f"{PREFIX}stage_work_seconds{{{replicas[ref].labels},"
+                    f'cause="{cause.cause.value}"}} {number(now - cause.working_since)}'
+                )
+        out.append(_HEADERS["work_budget_seconds"])
+        out += self._work_budgets
 
         requests = report.requests if report is not None else {}
         out.append(_HEADERS["stage_requests_in_flight"])

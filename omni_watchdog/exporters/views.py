@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_watchdog.policy.incidents import to_jsonable
-from omni_watchdog.types import Incident, StageState, StageStatus, WatchdogState
+from omni_watchdog.types import Incident, ProbeHealth, StageState, StageStatus, WatchdogState
 
 # Liveness is about progress: slow (degraded) still passes, as vLLM's own /health would.
 _LIVE_STATES = (StageState.HEALTHY, StageState.DEGRADED)
@@ -162,15 +162,7 @@ def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
             }
             for p in state.processes
         ],
-        "probes": {
-            h.name: {
-                "up": h.up,
-                "errors_total": h.errors_total,
-                "last_error": h.last_error,
-                "duration_seconds": h.last_duration,
-            }
-            for h in sorted(state.probes, key=lambda h: h.name)
-        },
+        "probes": {h.name: _probe(h) for h in sorted(state.probes, key=lambda h: h.name)},
         "gpu": to_jsonable(state.gpu),
         "incident": None if current is None else current.incident_id,
         "remediation_budget_remaining": state.remediation.budget_remaining,
@@ -182,6 +174,19 @@ def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
             "last_state_write_error": state.self_health.last_state_write_error,
         },
     }
+
+
+def _probe(health: ProbeHealth) -> dict[str, Any]:
+    shown: dict[str, Any] = {
+        "up": health.up,
+        "errors_total": health.errors_total,
+        "last_error": health.last_error,
+        "duration_seconds": health.last_duration,
+    }
+    if health.stack_sample_errors_total is not None:
+        shown["stack_sample_errors_total"] = health.stack_sample_errors_total
+        shown["last_stack_sample_error"] = health.last_stack_sample_error
+    return shown
 
 
 def incident_summary(incident: Incident) -> dict[str, Any]:

@@ -20,9 +20,10 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from omni_watchdog.log import log_event
+from omni_watchdog.policy.activity import ACTIVITY_FILE, activity_document
 from omni_watchdog.policy.incidents import (
     BundleWriter,
     EnforcementBudget,
@@ -41,6 +42,8 @@ from omni_watchdog.types import (
     LockStatus,
     Mode,
     ProcessIdentity,
+    ProcessReadings,
+    StageRef,
     StageState,
     StepName,
     StepOutcome,
@@ -83,9 +86,12 @@ class Policy:
         alive: Callable[[ProcessIdentity], bool],
         on_internal_error: Callable[[str, Exception], None],
         window: MaintenanceWindow | None = None,
+        activity_readings: Callable[[StageRef], Sequence[ProcessReadings]] = lambda stage: (),
     ) -> None:
         """`on_internal_error(loop, error)` logs with its traceback and counts a bug in the
-        climb (loop "ladder"); the policy then closes the incident as failed."""
+        climb (loop "ladder"); the policy then closes the incident as failed.
+        `activity_readings(stage)`: the detector's readings of a silent stage's processes,
+        written into the bundle of a verdict that names its cause."""
         self.mode = mode
         self._runner = runner
         self._journal = journal
@@ -95,6 +101,7 @@ class Policy:
         self._clock = clock
         self._alive = alive
         self._on_internal_error = on_internal_error
+        self._activity_readings = activity_readings
         self.window = window or MaintenanceWindow(clock)
         self._incidents: dict[str, Incident] = {}
         # The server each incident was about, to approve a plan only for that server.
@@ -269,6 +276,11 @@ class Policy:
             crashed=crashed,
         )
         log_event(logger, "incident_opened", id=incident_id, mode=mode.value, cause=incident.cause)
+        # Now, from the evaluation that gave the verdicts: the detector forgets the
+        # readings once the stage beats again, or is gone with its server.
+        readings = activity_document(verdicts, self._activity_readings)
+        if readings is not None:
+            self._bundles.write_json(incident_id, ACTIVITY_FILE, readings)
         self._task_for(incident, target)
         assert self._current is not None
         return self._current

@@ -87,8 +87,13 @@ def _verdict(data: Mapping[str, Any]) -> Verdict:
 def _cause(data: Mapping[str, Any] | None) -> StageCause | None:
     if data is None:
         return None
+    working_since = data.get("working_since")
     return StageCause(
-        SilenceCause(data["cause"]), float(data["since"]), bool(data["working"]), data["detail"]
+        SilenceCause(data["cause"]),
+        float(data["since"]),
+        bool(data["working"]),
+        data["detail"],
+        None if working_since is None else float(working_since),
     )
 
 

@@ -105,10 +105,13 @@ class Work:
         return ProcessActivity(201, now, (main,), children, stacks)
 
 
-def drive(work: Work, seconds: float, config: DetectionConfig) -> list[DetectorReport]:
+def drive(
+    work: Work, seconds: float, config: DetectionConfig, detector: Detector | None = None
+) -> list[DetectorReport]:
+    """The reports of `seconds` of `work`, judged by `detector` (a new one by default)."""
     clock = FakeClock()
     start = clock.monotonic()
-    detector = Detector(config, PIPELINE, start)
+    detector = detector or Detector(config, PIPELINE, start)
     for tick in range(int(seconds / STEP) + 1):
         now = clock.monotonic()
         elapsed = now - start
@@ -206,7 +209,7 @@ def test_a_silence_without_work_advancing_is_judged_as_fast_as_its_cause_allows(
     moment, verdict = found
     assert verdict.stage == S1 and verdict.state is StageState.STALLED, verdict
     assert verdict.cause is not None and verdict.cause.cause is cause, verdict.cause
-    assert not verdict.cause.working
+    assert not verdict.cause.working and verdict.cause.working_since is None
     assert moment <= within, (moment, verdict)
 
 
@@ -268,6 +271,9 @@ def test_work_longer_than_its_budget_is_judged_naming_the_work(
     moment, verdict = found
     assert verdict.cause is not None and verdict.cause.cause is SilenceCause.COMPILING
     assert verdict.cause.working and f"past its {budget:g}s budget" in verdict.cause.detail
+    # What the work is charged from goes with the cause, for /metrics to set beside the budget.
+    assert verdict.cause.working_since is not None
+    assert verdict.time - verdict.cause.working_since >= budget
     # The silence is read from half the heartbeat timeout after the last beat.
     assert budget < moment <= budget + 3.0, moment
 

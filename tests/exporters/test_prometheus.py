@@ -22,6 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from exporters.watchdog_state import (
     HOST,
     REMOTE_HOST,
+    STALLED_STAGE,
     START,
     Scripted,
     headless_state,
@@ -45,6 +46,8 @@ from omni_watchdog.types import (
     IncidentOutcome,
     Observation,
     ObservationKind,
+    SilenceCause,
+    StageCause,
     StageRef,
     StageState,
     StepName,
@@ -106,7 +109,7 @@ def test_every_family_of_the_contract_is_present(scripted: Scripted) -> None:
     # The parser names counters without their _total suffix.
     expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
     assert names == expected
-    assert len(FAMILY_NAMES) == 46
+    assert len(FAMILY_NAMES) == 49
 
 
 def test_content_type_is_the_text_format() -> None:
@@ -154,6 +157,10 @@ def test_state_shows_the_scripted_story(scripted: Scripted) -> None:
     assert value("target_health_status", outcome="ok") == 1
     assert value("probe_up", probe="canary") == 0
     assert value("probe_errors_total", probe="canary") == 3
+    # Only the activity probe samples stacks: no other probe has a series for them.
+    assert value("probe_stack_sample_errors_total", probe="activity") == 2
+    stack_samples = [key for key in found if key[0].startswith("omni_watchdog_probe_stack")]
+    assert len(stack_samples) == 1, stack_samples
     assert value("incidents_total", outcome="recovered_by_term") == 1
     assert value("incidents_total", outcome="planned") == 1
     assert value("incident_open") == 1
@@ -166,6 +173,36 @@ def test_state_shows_the_scripted_story(scripted: Scripted) -> None:
     assert value("orphaned_processes") == 1
     assert value("remediation_budget_exhausted_total") == 1
     assert not any(name.startswith("omni_watchdog_master_link") for name, _ in found)
+
+
+def test_a_stage_working_past_its_budget_shows_its_work_beside_the_budget(
+    scripted: Scripted,
+) -> None:
+    state = scripted.state
+    assert state.report is not None
+    now = scripted.clock.monotonic()
+    # A JIT build: 700 s of work advancing, its compiler child waited on for the last 100.
+    building = StageCause(
+        SilenceCause.WAITING_ON_CHILD, now - 100.0, True, "g++ pid 7 at 98 %", now - 700.0
+    )
+    statuses = tuple(
+        dataclasses.replace(s, cause=building) if s.stage == StageRef(STALLED_STAGE) else s
+        for s in state.report.statuses
+    )
+    working = dataclasses.replace(
+        state, report=dataclasses.replace(state.report, statuses=statuses)
+    )
+    found = samples(Scripted(working, scripted.clock).rendered())
+    stage = (("host", HOST), ("replica", "0"), ("stage", "1"), ("stage_name", "stage-1"))
+    cause = (("cause", "waiting_on_child"),)
+    assert found[("omni_watchdog_stage_work_seconds", (*cause, *stage))] == 700.0
+    assert found[("omni_watchdog_stage_silence_seconds", (*cause, *stage))] == 100.0
+    assert found[("omni_watchdog_work_budget_seconds", cause)] == 600.0
+    assert found[("omni_watchdog_work_budget_seconds", (("cause", "compiling"),))] == 1800.0
+    # A cause that is no work has no work series, and a cause that cannot be work no budget.
+    assert not any(name.endswith("stage_work_seconds") for name, _ in samples(scripted.rendered()))
+    budgets = {dict(labels)["cause"] for name, labels in found if name.endswith("budget_seconds")}
+    assert budgets == {"compiling", "waiting_on_child", "loading", "computing"}
 
 
 def test_a_headless_stages_watchdog_shows_its_role_and_master_link() -> None:

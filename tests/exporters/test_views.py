@@ -68,3 +68,11 @@ def test_a_remote_stage_unwell_leaves_the_head_s_liveness_answer_alone() -> None
     )
     code, reason = target_health(local_dead)
     assert code == 503 and "stage 2" not in reason
+
+
+def test_the_status_shows_the_stack_samples_only_of_the_probe_that_takes_them() -> None:
+    scripted = scripted_state()
+    probes = status_of(scripted.state, scripted.clock.monotonic())["probes"]
+    assert probes["activity"]["stack_sample_errors_total"] == 2
+    assert probes["activity"]["last_stack_sample_error"].startswith("pid 1002: py-spy")
+    assert "stack_sample_errors_total" not in probes["health"]

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from omni_watchdog.clock import FakeClock
-from omni_watchdog.config import WatchdogConfig
+from omni_watchdog.config import WORKING_CAUSES, WatchdogConfig
 from omni_watchdog.detector import Detector
 from omni_watchdog.exporters.prometheus import MetricsExposition
 from omni_watchdog.probes.gpu import observations_of
@@ -42,6 +42,7 @@ from omni_watchdog.types import (
     ReceiverStats,
     RemediationView,
     SelfHealth,
+    SilenceCause,
     SpanOutcome,
     Stage,
     StageRef,
@@ -61,6 +62,10 @@ UNMAPPED_PID = 99_999
 STALLED_STAGE = 1
 GIB = 2**30
 HOST = "gpu-node-a"
+# The defaults, but for compiling: a JIT build's budget raised, as the runbook suggests.
+WORK_BUDGETS = {
+    cause: 1800.0 if cause is SilenceCause.COMPILING else 600.0 for cause in WORKING_CAUSES
+}
 REMOTE_HOST = "gpu-node-b"
 
 
@@ -72,7 +77,7 @@ class Scripted:
     clock: FakeClock
 
     def exposition(self) -> MetricsExposition:
-        return MetricsExposition(self.clock, self.state)
+        return MetricsExposition(self.clock, self.state, WORK_BUDGETS)
 
     def rendered(self) -> str:
         return self.exposition().render().decode()
@@ -308,10 +313,20 @@ def scripted_state(
 
     rejected = dict.fromkeys(REJECTION_REASONS, 0)
     rejected["decode_error"] = 2
+    failed_probes = {
+        "canary": ProbeHealth(
+            "canary", up=False, errors_total=3, last_error="timeout", last_duration=5.0
+        ),
+        # Up, with two stack samples of the silent stage that py-spy could not take.
+        "activity": ProbeHealth(
+            "activity",
+            last_duration=0.004,
+            stack_sample_errors_total=2,
+            last_stack_sample_error="pid 1002: py-spy gave no dump in 2s: ",
+        ),
+    }
     probes = tuple(
-        ProbeHealth("canary", up=False, errors_total=3, last_error="timeout", last_duration=5.0)
-        if name == "canary"
-        else ProbeHealth(name, last_duration=0.004)
+        failed_probes.get(name) or ProbeHealth(name, last_duration=0.004)
         for name in sorted(config.probes.enabled)
     )
     state = WatchdogState(

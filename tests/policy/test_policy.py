@@ -7,7 +7,7 @@ import dataclasses
 import errno
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -56,6 +56,7 @@ from omni_watchdog.types import (
     ObservationKind,
     ProcessIdentity,
     ProcessInfo,
+    ProcessReadings,
     ProcessRole,
     StageRef,
     StageState,
@@ -154,6 +155,7 @@ class Rig:
         lock_dir: Path | None = None,
         admin_url: str = "http://127.0.0.1:1/admin/shutdown",
         server_gone: bool = False,
+        activity_readings: Callable[[StageRef], Sequence[ProcessReadings]] = lambda stage: (),
     ) -> Policy:
         config = LadderConfig(term_grace=3.0, kill_grace=1.0, release_timeout=2.0)
         actuators = self.actuators(session)
@@ -186,6 +188,7 @@ class Rig:
             self.clock,
             self.alive,
             lambda loop, error: self.internal_errors.append((loop, error)),
+            activity_readings=activity_readings,
         )
 
 
