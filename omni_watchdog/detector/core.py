@@ -96,6 +96,12 @@ _EXCUSED_BY_WORK = frozenset(
 # lock or a queue is what every idle stage shows, so it proves nothing; neither does a wait
 # on a child, which an idle engine may show on its worker's pipe.
 _BLOCKED_CAUSES = frozenset({SilenceCause.STOPPED, SilenceCause.SPINNING, SilenceCause.DEVICE_WAIT})
+# Causes that say the work a stage was excused for stopped advancing (its child stopped or
+# idle, its process stopped, its loop spinning): judged at once. Any other end of the work
+# (the stage beats again, or sleeps as its loop picks the result up) is the work done.
+_WORK_STOPPED = frozenset(
+    {SilenceCause.STOPPED, SilenceCause.WAITING_ON_CHILD, SilenceCause.SPINNING}
+)
 # A stage is silent, and its processes are read for a cause, once its loop has not beaten
 # for this share of `heartbeat_timeout`, or its counters have stayed flat under load for
 # this share of `progress_timeout`: two readings are in by the time evidence stands.
@@ -183,6 +189,8 @@ class _StageMemory:
     cause: StageCause | None = None
     # Since when its findings have said, without a break, that its work advances.
     working_since: float | None = None
+    # When its excused work last ended by itself (not stopped): see `_excused`.
+    work_ended_at: float | None = None
 
 
 class Detector:
@@ -923,10 +931,16 @@ class Detector:
         if not silent:
             # Readings from before it beat again say nothing of its next silence.
             memory.activity.clear()
-        if not findings or not silent:
+        was_excused = bool(self._excused_by_work(memory, now))
+        found = stage_cause(findings) if findings and silent else None
+        ended = found is None or (not found.working and found.cause not in _WORK_STOPPED)
+        if was_excused and ended:
+            # The work ended (its child exited, its step returned): what piled up while
+            # it was excused is the work's, for as long as the loop needs to beat again.
+            memory.work_ended_at = now
+        if found is None:
             memory.cause, memory.working_since = None, None
             return None
-        found = stage_cause(findings)
         previous = memory.cause
         same = previous is not None and (previous.cause, previous.working) == (
             found.cause,
@@ -947,13 +961,20 @@ class Detector:
         return memory.cause
 
     def _excused(self, memory: _StageMemory, now: float) -> frozenset[EvidenceKind]:
-        """The evidence its advancing work excuses, until that work's budget runs out."""
+        """The evidence its advancing work excuses, until that work's budget runs out, and
+        for one heartbeat timeout after the work ended by itself."""
+        if self._excused_by_work(memory, now):
+            return _EXCUSED_BY_WORK
+        ended = memory.work_ended_at
+        if ended is not None and now - ended < self._heartbeat_timeout(memory):
+            return _EXCUSED_BY_WORK
+        return frozenset()
+
+    def _excused_by_work(self, memory: _StageMemory, now: float) -> bool:
         cause = memory.cause
         if cause is None or not cause.working or memory.working_since is None:
-            return frozenset()
-        if now - memory.working_since >= self._config.work_budget(cause.cause):
-            return frozenset()
-        return _EXCUSED_BY_WORK
+            return False
+        return now - memory.working_since < self._config.work_budget(cause.cause)
 
     def _head_verdict(self, statuses: list[StageStatus], now: float) -> list[Verdict]:
         """The head's own verdict when its server has stayed unhealthy for `remote_grace`

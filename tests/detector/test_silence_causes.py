@@ -74,6 +74,9 @@ class Work:
     # The stage's engine core, asleep on its queue, is read too; the worker's readings stop
     # coming this long after the arrival (a probe round that could not read it).
     with_engine: bool = False
+    # The talker's load gauge says 1 from the arrival until this long after the work ends
+    # (a scrape that has not caught up), its counters flat; None: no load gauge at all.
+    load_lingers: float | None = None
     worker_unread_from: float | None = None
     history: list[DetectorReport] = field(default_factory=list)
 
@@ -131,6 +134,15 @@ def drive(
             out.append(
                 Observation(ObservationKind.CANARY, now, value=2.0, outcome=HealthOutcome.TIMEOUT)
             )
+        elif work.load_lingers is not None and since >= 2.0 and tick % 12 == 0:
+            # Once the request is done, the next canary (every three seconds) is answered.
+            out.append(
+                Observation(ObservationKind.CANARY, now, value=0.1, outcome=HealthOutcome.OK)
+            )
+        if work.load_lingers is not None and tick % 4 == 0:
+            ends = None if work.lasts is None else work.lasts + work.load_lingers
+            running = 0.0 <= since and (ends is None or since < ends)
+            out.append(Observation(ObservationKind.LOAD, now, S1, 1.0 if running else 0.0))
         busy = work.busy(since)
         status = ProcessStatus.RUNNING if busy else ProcessStatus.SLEEPING
         cpu = 5.0 + (max(0.0, since) if busy else 0.0)
@@ -252,6 +264,15 @@ def test_an_engine_asleep_on_its_queue_speaks_for_itself_not_for_its_compiling_w
     assert found is not None
     assert found[1].cause is not None and found[1].cause.cause is SilenceCause.UNKNOWN, found
     assert "pid 201 not read lately" in found[1].cause.detail
+
+
+def test_what_piled_up_while_work_was_excused_is_not_a_verdict_the_moment_it_ends() -> None:
+    """The build ends and the stage beats again; for a moment its failed canary and a load
+    gauge not yet scraped back to 0 still stand. They were the work's, and are not counted."""
+    work = Work("compile", lasts=30.0, load_lingers=2.0)
+    reports = drive(work, AT_TALKER + 50.0, DEFAULTS)
+    assert first_verdict(reports) is None, first_verdict(reports)
+    assert talker_states(reports) <= {StageState.HEALTHY, StageState.DEGRADED}
 
 
 @pytest.mark.parametrize(
