@@ -37,6 +37,15 @@ from omni_watchdog.detector.expectations import (
     PendingRequests,
     RollingQuantile,
 )
+from omni_watchdog.detector.starved import (
+    STARVED_WINDOW_SHARE,
+    WAIT_WORTH_SAYING,
+    ProcessMemory,
+    busiest_runner,
+    cpu_note,
+    longest_wait,
+    starved_finding,
+)
 from omni_watchdog.types import (
     PIPELINE,
     STEP_COUNTERS,
@@ -113,44 +122,10 @@ _EXIT_SETTLE = 1.0
 # stage replica: a tree that names thousands must not make thousands of series.
 MAX_EXTRA_STAGES = 64
 MAX_PROCESSES_PER_STAGE = 512
-# A process that waited for a CPU at least this share of the time its latest readings cover
-# since its stage's loop last beat was starved by its neighbours: its silence says nothing
-# about its own loop. The readings looked at span this share of `heartbeat_timeout`: at
-# the defaults, a beat's interval and its export delay, what a stage given a CPU needs to
-# be heard again.
-STARVED_WAIT_SHARE = 0.1
-STARVED_WINDOW_SHARE = 0.5
-# Less CPU wait than this, since a stage's last beat, goes unsaid in its evidence; this
-# much or more, and the stage's lateness is one kind of evidence, not several.
-WAIT_WORTH_SAYING = 0.1
-# A process that used a CPU at least this share of the time since its stage's loop last
-# beat is running: its lateness is one kind of evidence too. Measured on the real vLLM-Omni
-# beside a second server on two cores: a worker blocked in its forward used 1 % of a core
-# through 11 s of silence; workers in forwards used 19 % to 82 % through silences of 1 s
-# to 1.7 s.
-RUNNING_SHARE = 0.1
-# Readings of its CPU wait kept per process: enough to span that window at any interval.
-WAIT_READINGS = 32
 # A stage's rhythm: its latest healthy beat gaps, and how many before they are trusted to
 # stretch its heartbeat timeout (a p99 of twenty is their longest).
 BEAT_GAPS_KEPT = 256
 BEAT_GAPS_TRUSTED = 20
-
-
-@dataclass
-class _ProcessMemory:
-    info: ProcessInfo
-    status_since: float
-    cpu_changed_at: float
-    exited_at: float | None = None
-    runnable_seen_at: float | None = None
-    seen_at: float = 0.0
-    # Its time spent waiting for a CPU, as last read before its stage's loop last beat,
-    # and when that was read; then its latest readings, (when, time waited).
-    wait_at_beat: float = 0.0
-    seen_at_beat: float = 0.0
-    cpu_at_beat: float = 0.0
-    waits: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WAIT_READINGS))
 
 
 @dataclass
@@ -178,7 +153,7 @@ class _StageMemory:
     durations: RollingQuantile = field(default_factory=RollingQuantile)
     # Gaps between its loop's beats that ended within its heartbeat timeout: its rhythm.
     beat_gaps: RollingQuantile = field(default_factory=lambda: RollingQuantile(BEAT_GAPS_KEPT))
-    processes: dict[int, _ProcessMemory] = field(default_factory=dict)
+    processes: dict[int, ProcessMemory] = field(default_factory=dict)
     gpu_bytes: dict[int, float] = field(default_factory=dict)
     # When each pid was last listed holding memory by a GPU reading.
     gpu_seen_at: dict[int, float] = field(default_factory=dict)
@@ -433,7 +408,7 @@ class Detector:
         if known is None and len(memory.processes) >= MAX_PROCESSES_PER_STAGE:
             return
         if known is None or not known.info.identity.matches(info.identity):
-            known = _ProcessMemory(info, obs.time, obs.time, seen_at=obs.time)
+            known = ProcessMemory(info, obs.time, obs.time, seen_at=obs.time)
             known.wait_at_beat, known.seen_at_beat = info.cpu_wait_seconds, obs.time
             known.cpu_at_beat = info.cpu_seconds
             memory.processes[info.pid] = known
@@ -742,8 +717,10 @@ class Detector:
             state = StageState.DEAD
         elif (
             self._pipeline_state is not StageState.STALLED
-            and any(self._starved(memory) for memory in memories)
-            and not self._stood(evidence, now, max(self._waited(m) for m in memories))
+            and any(self._starved(memory) is not None for memory in memories)
+            and not self._stood(
+                evidence, now, max(longest_wait(m.processes.values()) for m in memories)
+            )
         ):
             state = StageState.DEGRADED
         else:
@@ -777,8 +754,8 @@ class Detector:
         # since takes nothing back. Else a stage silent on a loaded host flaps, and each
         # return to stalled is a new verdict, a new plan, an alert's `for:` started again.
         judged = memory.state is StageState.STALLED
-        waited = self._waited(memory)
-        busy = waited >= WAIT_WORTH_SAYING or _busiest_runner(memory) is not None
+        waited = longest_wait(memory.processes.values())
+        busy = waited >= WAIT_WORTH_SAYING or busiest_runner(memory.processes.values()) is not None
         confirmed = self._confirmed(evidence, now, busy=not judged and busy)
         if confirmed and EvidenceKind.PROCESS_EXIT in kinds:
             return StageState.DEAD
@@ -789,7 +766,11 @@ class Detector:
             # verdict does not turn on whether the exit was seen first.
             return StageState.DEAD
         if confirmed and (held_up or not self._progressing(memory, now)):
-            if not judged and self._starved(memory) and not self._stood(evidence, now, waited):
+            if (
+                not judged
+                and self._starved(memory) is not None
+                and not self._stood(evidence, now, waited)
+            ):
                 return StageState.DEGRADED
             return StageState.STALLED
         return StageState.DEGRADED
@@ -836,38 +817,11 @@ class Detector:
             if e.kind not in _CONSEQUENCES and e.kind not in _NEVER_ALONE
         )
 
-    def _starved(self, memory: _StageMemory) -> bool:
-        """A live process of the stage waited for a CPU in its latest readings since its
-        loop last beat (a host loaded by its neighbours). Its lost heartbeats, late spans
-        and failed canary are then the host's doing as much as its own: they count only
-        once one of them has held for `confirm_timeout` of the time the stage could run
-        (`_waited`). The readings are the latest there are: a loaded host lets the probe
-        run when it can. A stage given a CPU for the window and still silent is silent on
-        its own: a moment's wait as the request that blocks it wakes it counts no longer.
-        A stopped process is never starved."""
-        live = [p for p in memory.processes.values() if p.exited_at is None]
-        if any(p.info.status is ProcessStatus.STOPPED for p in live):
-            return False
+    def _starved(self, memory: _StageMemory) -> CauseFinding | None:
+        """The `starved` cause of a stage whose live process waited for a CPU in its latest
+        readings since its loop last beat (see `starved.starved_finding`)."""
         window = STARVED_WINDOW_SHARE * self._heartbeat_timeout(memory)
-        for process in live:
-            start = max(process.seen_at_beat, process.seen_at - window)
-            base_at, base_wait = process.seen_at_beat, process.wait_at_beat
-            for at, waited in process.waits:
-                if base_at < at <= start:
-                    base_at, base_wait = at, waited
-            covered = process.seen_at - base_at
-            if covered > 0 and process.info.cpu_wait_seconds - base_wait >= (
-                STARVED_WAIT_SHARE * covered
-            ):
-                return True
-        return False
-
-    def _waited(self, memory: _StageMemory) -> float:
-        """The longest any live process of the stage has waited for a CPU since its loop
-        last beat. A stage stuck in a spin loop waits too, on a loaded host, so it is still
-        judged: once `confirm_timeout` has passed without it waiting."""
-        waiter = _busiest_waiter(memory)
-        return waiter[1] if waiter else 0.0
+        return starved_finding(memory.processes.values(), window)
 
     def _heartbeat_timeout(self, memory: _StageMemory) -> float:
         """`heartbeat_timeout`, stretched by the stage's own rhythm: a loop that its steps
@@ -931,6 +885,8 @@ class Detector:
         if not silent:
             # Readings from before it beat again say nothing of its next silence.
             memory.activity.clear()
+        elif (starved := self._starved(memory)) is not None:
+            findings.append(starved)
         was_excused = bool(self._excused_by_work(memory, now))
         found = stage_cause(findings) if findings and silent else None
         ended = found is None or (not found.working and found.cause not in _WORK_STOPPED)
@@ -1087,7 +1043,7 @@ class Detector:
                 now,
                 lambda silent: (
                     f"no loop heartbeat for {silent:.1f}s{self._rhythm_note(memory)}"
-                    f"{_cpu_note(memory)}"
+                    f"{cpu_note(memory.processes.values())}"
                 ),
             )
         deadline = self.deadline(ref.stage_id)
@@ -1408,41 +1364,3 @@ def _unseen(blind: float) -> str:
 def _word(obs: Observation) -> str:
     """An observation's outcome as the word people read in evidence."""
     return obs.outcome.value if obs.outcome is not None else ""
-
-
-def _busiest_waiter(memory: _StageMemory) -> tuple[int, float] | None:
-    """The live process of the stage that has waited longest for a CPU since its loop last
-    beat, and how long."""
-    waits = [
-        (pid, p.info.cpu_wait_seconds - p.wait_at_beat)
-        for pid, p in memory.processes.items()
-        if p.exited_at is None
-    ]
-    return max(waits, key=lambda wait: wait[1], default=None)
-
-
-def _busiest_runner(memory: _StageMemory) -> tuple[int, float] | None:
-    """The live process of the stage that used the largest share of a CPU since its loop
-    last beat, and the CPU seconds it used, when that share is `RUNNING_SHARE` or more."""
-    runners = [
-        (pid, used, used / covered)
-        for pid, p in memory.processes.items()
-        if p.exited_at is None
-        and (covered := p.seen_at - p.seen_at_beat) > 0
-        and (used := p.info.cpu_seconds - p.cpu_at_beat) >= RUNNING_SHARE * covered
-    ]
-    runner = max(runners, key=lambda run: run[2], default=None)
-    return None if runner is None else (runner[0], runner[1])
-
-
-def _cpu_note(memory: _StageMemory) -> str:
-    """What a silent stage's processes did with a CPU meanwhile, when it is enough to say:
-    on-call reads a busy host or a long step in the verdict, not only in the host's graphs."""
-    notes = []
-    waiter = _busiest_waiter(memory)
-    if waiter is not None and waiter[1] >= WAIT_WORTH_SAYING:
-        notes.append(f"; pid {waiter[0]} waited {waiter[1]:.1f}s for a CPU since")
-    runner = _busiest_runner(memory)
-    if runner is not None:
-        notes.append(f"; pid {runner[0]} ran {runner[1]:.1f}s on a CPU since")
-    return "".join(notes)

@@ -29,6 +29,7 @@ from omni_watchdog.types import (
     ProcessInfo,
     ProcessRole,
     ProcessStatus,
+    SilenceCause,
     SpanOutcome,
     Stage,
     StageRef,
@@ -1378,3 +1379,20 @@ def test_a_lost_heartbeat_says_what_the_stage_did_with_a_cpu_meanwhile(
     assert found is not None
     details = [e.detail for e in found[1].evidence if e.kind is EvidenceKind.HEARTBEAT_LOST]
     assert details == [said]
+
+
+def test_a_stage_held_back_by_its_neighbours_is_named_starved() -> None:
+    """The CPU-contention rule is a cause like any other: while it holds a silent stage
+    back from a verdict, the stage says it is starved, and which process waited."""
+    world = World(engines={S1: ProcessStatus.RUNNING}, starved={S1})
+    world.canary = HealthOutcome.OK
+    reports = run(THREE_STAGES, world, SILENT_FROM + 8, talker_silent_from(SILENT_FROM))
+    assert first_verdict(reports) is None
+    named = [
+        status.cause
+        for report in reports[SILENT_FROM:]
+        for status in report.statuses
+        if status.stage == S1 and status.cause is not None
+    ]
+    assert named and all(cause.cause is SilenceCause.STARVED for cause in named), named
+    assert "for a CPU" in named[-1].detail and not named[-1].working

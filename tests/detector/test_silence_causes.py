@@ -141,7 +141,7 @@ def drive(
             )
         if work.load_lingers is not None and tick % 4 == 0:
             ends = None if work.lasts is None else work.lasts + work.load_lingers
-            running = 0.0 <= since and (ends is None or since < ends)
+            running = since >= 0.0 and (ends is None or since < ends)
             out.append(Observation(ObservationKind.LOAD, now, S1, 1.0 if running else 0.0))
         busy = work.busy(since)
         status = ProcessStatus.RUNNING if busy else ProcessStatus.SLEEPING
