@@ -8,7 +8,7 @@
 - `signal:<NAME>`: the worker sends itself that signal (`signal:ILL` is the SIGILL seen on
   a first forward with bfloat16 kernels);
 - `slow:<seconds>`: every forward takes that much longer (a slow but healthy stage);
-- `spin`: the forward busy-loops in one Python frame, for good;
+- `spin`: the forward busy-loops in one Python frame until the word is taken away;
 - `jit:<seconds>`: one forward waits on a child process working at full CPU for that long
   (how nvcc, ptxas, Triton or FlashInfer JIT builds look from outside);
 - `compile`: one forward runs a real `torch.compile` of a new function on a fresh
@@ -69,7 +69,7 @@ def strike(stage_id: int) -> None:
     elif kind == "slow":
         threading.Event().wait(float(argument))
     elif kind == "spin":
-        _spin()
+        _spin(stage_id)
     elif kind == "jit":
         _once(stage_id, word, lambda: _wait_on_a_busy_child(float(argument)))
     elif kind == "compile":
@@ -90,9 +90,16 @@ def _once(stage_id: int, word: str, fault: Callable[[], None]) -> None:
     fault()
 
 
-def _spin() -> None:
+def _spin(stage_id: int) -> None:
+    # Busy in this one frame, holding the GIL. Once a second, for a moment a stack sample
+    # almost never meets, it looks whether the test took the word away: a server that
+    # later tests share is whole again once it is disarmed.
+    look_at = time.monotonic() + 1.0
     while True:
-        pass
+        if time.monotonic() >= look_at:
+            if armed(stage_id) != "spin":
+                return
+            look_at = time.monotonic() + 1.0
 
 
 _BUSY_CHILD = """\
