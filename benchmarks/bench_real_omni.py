@@ -106,7 +106,7 @@ LEGIT_SECTION = "Real vLLM-Omni: legit work is never remediated"
 # Stage 1's forward, armed once per run, each longer than every shipped timeout: what it
 # does, and the cause the watchdog should name while it lasts.
 LEGIT_WORK = (
-    ("compile", "a real torch.compile on a cold Inductor cache", SilenceCause.COMPILING),
+    ("compile", "real torch.compiles of 12 new functions", SilenceCause.COMPILING),
     ("jit:20", "a 20 s wait on a child at full CPU (a JIT build)", SilenceCause.WAITING_ON_CHILD),
     ("slow-step:20", "20 s of tensor work in one forward", SilenceCause.COMPUTING),
 )
@@ -991,7 +991,9 @@ def run_legit_work(
                 tally.starts.append(("float32", check.answered))
                 if not check.answered:
                     raise StartFailed(check.describe())
-                async with watched(server, workdir / "watchdog", overrides=AT_DEFAULTS) as dog:
+                watchdog_dir = workdir / f"watchdog-{len(plan)}"
+                watchdog_dir.mkdir(parents=True)
+                async with watched(server, watchdog_dir, overrides=AT_DEFAULTS) as dog:
                     while plan:
                         word = plan.pop(0)
                         run = await legit_run(dog, server, faults, word)

@@ -267,7 +267,7 @@ def test_steady_load_with_one_slow_stage_is_never_worse_than_degraded(
 
 TALKER = StageRef(1)
 JIT_S = 20.0
-# A cold torch.compile of a small function: about a minute on two busy cores.
+# Real torch.compiles of twelve new functions: about a minute on two busy cores.
 COMPILE_LIMIT_S = 240.0
 
 
@@ -306,10 +306,10 @@ def builder_of(server: Any, watchdog: Any) -> psutil.Process | None:
 def test_legit_work_is_waited_for_and_what_stops_advancing_is_judged_by_its_cause(
     shared_omni: OmniServer, tmp_path: Path
 ) -> None:
-    """Its talker's forward waits on a JIT build in a child, then runs a real
-    `torch.compile` on a cold Inductor cache, each longer than every shipped timeout; the
-    watchdog, in enforce mode at its shipped thresholds, waits for both, naming each on
-    `/v1/status` while it lasts. Then, in dry run, a build whose child is stopped half-way
+    """Its talker's forward waits on a JIT build in a child, then runs real
+    `torch.compile`s of new functions on a fresh Inductor cache, each longer than every
+    shipped timeout; the watchdog, in enforce mode at its shipped thresholds, waits for
+    both, naming each on `/v1/status` while it lasts. Then, in dry run, a build whose child is stopped half-way
     and a forward spinning in one frame are judged stalled, each verdict naming its cause;
     each is let go after, and the server is whole again. Only processes of the server are
     signalled."""

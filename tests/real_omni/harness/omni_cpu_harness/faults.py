@@ -11,8 +11,9 @@
 - `spin`: the forward busy-loops in one Python frame until the word is taken away;
 - `jit:<seconds>`: one forward waits on a child process working at full CPU for that long
   (how nvcc, ptxas, Triton or FlashInfer JIT builds look from outside);
-- `compile`: one forward runs a real `torch.compile` of a new function on a fresh
-  Inductor cache (Python code generation here, `g++` in child processes);
+- `compile`: one forward runs real `torch.compile`s of new functions on a fresh Inductor
+  cache (Python code generation here, `g++` in child processes), cold or not: 10 s and
+  more on two cores;
 - `slow-step:<seconds>`: one forward does that much CPU work (tensor operations in a
   Python loop), then goes on.
 
@@ -35,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 FAULTS_ENV = "OMNI_CPU_HARNESS_FAULTS"
+# Functions compiled by one `compile` fault.
+COMPILED_FUNCTIONS = 12
 
 
 class InjectedFault(RuntimeError):
@@ -73,7 +76,7 @@ def strike(stage_id: int) -> None:
     elif kind == "jit":
         _once(stage_id, word, lambda: _wait_on_a_busy_child(float(argument)))
     elif kind == "compile":
-        _once(stage_id, word, _compile_a_new_function)
+        _once(stage_id, word, _compile_new_functions)
     elif kind == "slow-step":
         _once(stage_id, word, lambda: _work(float(argument)))
 
@@ -114,18 +117,26 @@ def _wait_on_a_busy_child(seconds: float) -> None:
     subprocess.run([sys.executable, "-c", _BUSY_CHILD, str(seconds)], check=True)
 
 
-def _compile_a_new_function() -> None:
+def _compile_new_functions() -> None:
     # Imported here: only a forward armed with `compile` pays for it.
     import torch
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="harness-inductor-")
-    # A constant of its own makes a function no cache has seen.
-    salt = float(uuid.uuid4().int % 1000) / 1000.0
-
-    def fresh(x: torch.Tensor) -> torch.Tensor:
-        return (torch.sin(x) * salt + torch.cos(x)).relu().sum()
-
-    torch.compile(fresh, backend="inductor")(torch.randn(64, 64))
+    # Functions no cache has seen, each its own kernel: constants of their own make their
+    # C++ source new, so each is generated and built by g++ again. One alone takes about a
+    # second once the process has compiled before (measured: the first compile of a
+    # process took 24 s for twelve, later ones 12 s to 13 s, on an idle host).
+    salt = uuid.uuid4().hex[:8]
+    for index in range(COMPILED_FUNCTIONS):
+        constant = uuid.uuid4().int % 100_000 + index
+        name = f"fresh_{salt}_{index}"
+        source = (
+            f"def {name}(x):\n"
+            f"    return (torch.sin(x) * {index + 1} + torch.cos(x) * {constant}).relu().sum()\n"
+        )
+        scope: dict[str, object] = {"torch": torch}
+        exec(source, scope)
+        torch.compile(scope[name], backend="inductor")(torch.randn(64, 64))
 
 
 def _work(seconds: float) -> None:
