@@ -537,7 +537,7 @@ class Detector:
         return tuple(
             ref
             for ref, memory in self._stages.items()
-            if ref.stage_id not in self._remote and self._silent(memory, now)
+            if ref.stage_id not in self._remote and self._silent(ref, memory, now)
         )
 
     def next_due(self, now: float) -> float | None:
@@ -581,7 +581,7 @@ class Detector:
         charged_any = False
         for ref, memory in self._stages.items():
             remote = ref.stage_id in self._remote
-            cause = self._update_cause(memory, now)
+            cause = self._update_cause(ref, memory, now)
             excused = self._excused(memory, now)
             evidence = [e for e in own[ref] if e.kind not in excused]
             set_aside = len(evidence) < len(own[ref])
@@ -860,7 +860,7 @@ class Detector:
             f" so {timeout:.1f}s allowed)"
         )
 
-    def _silent(self, memory: _StageMemory, now: float) -> bool:
+    def _silent(self, ref: StageRef, memory: _StageMemory, now: float) -> bool:
         config = self._config
         beat = memory.last_heartbeat
         if beat is not None and now - beat > SILENT_SHARE * self._heartbeat_timeout(memory):
@@ -869,13 +869,20 @@ class Detector:
             # Without heartbeats a failing canary or /health is the only sign of a silence:
             # what each stage is doing is what may prove which one fails it.
             return True
-        if self._load(memory, now) > 0 and memory.load_positive_since is not None:
+        # A stage that beats has the requests on it told by its spans: vLLM-Omni 0.30
+        # leaves its load gauges at the last batch's counts, and every stage of an idle
+        # server, its gauge at 1 and its counters flat between two canaries, was read.
+        oldest = self._pending.oldest(ref.stage_id)
+        working = beat is None or oldest is not None
+        if working and self._load(memory, now) > 0 and memory.load_positive_since is not None:
             flat_from = max(memory.progress_changed_at or 0.0, memory.load_positive_since)
+            if beat is not None and oldest is not None:
+                flat_from = max(flat_from, oldest.due_since)
             if now - flat_from > SILENT_SHARE * config.progress_timeout:
                 return True
         return memory.state is StageState.STALLED
 
-    def _update_cause(self, memory: _StageMemory, now: float) -> StageCause | None:
+    def _update_cause(self, ref: StageRef, memory: _StageMemory, now: float) -> StageCause | None:
         """The stage's cause from the latest fresh findings of its live processes, kept with
         the moment it first held; None once the stage is no longer silent. A live stage
         process without a fresh finding counts as unknown: what its siblings do (an engine
@@ -897,7 +904,7 @@ class Detector:
             findings.append(
                 CauseFinding(SilenceCause.UNKNOWN, False, f"pid {unread[0]} not read lately")
             )
-        silent = self._silent(memory, now)
+        silent = self._silent(ref, memory, now)
         if not silent:
             # Readings from before it beat again say nothing of its next silence.
             memory.activity.clear()

@@ -18,6 +18,7 @@ import pytest
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector import Detector
+from omni_watchdog.detector.core import SILENT_SHARE
 from omni_watchdog.types import (
     STEP_COUNTERS,
     ChildActivity,
@@ -334,3 +335,56 @@ def test_only_a_silent_stage_is_read() -> None:
     # S0 and S2 never beat: nothing tells of their silence, so nothing reads them.
     assert all(stages == () for now, stages in read if now <= silence_read_from)
     assert all(stages == (S1,) for now, stages in read if now > silence_read_from)
+
+
+def test_a_gap_the_stage_shows_as_a_matter_of_course_is_not_a_silence() -> None:
+    """Beats every second arrive in bodies every half second: gaps of 1.8 s now and then
+    are routine, and reading the stage's processes (stacks and all) for each would be the
+    watchdog's cost at idle. Once its gaps are learned, its rhythm stretches its timeout,
+    and only a quiet longer than they are is read."""
+    clock = FakeClock()
+    detector = Detector(DEFAULTS, PIPELINE, clock.monotonic())
+    start = clock.monotonic()
+    beat_at = 0.0
+    beats = 0
+    read_at: list[float] = []
+    for tick in range(int(60.0 / 0.1)):
+        elapsed = tick * 0.1
+        now = start + elapsed
+        if elapsed >= beat_at - 1e-9:
+            detector.observe([Observation(ObservationKind.HEARTBEAT, now, stage=S1)])
+            beats += 1
+            # Every fifth gap is 1.8 s, the others 1 s.
+            beat_at = elapsed + (1.8 if beats % 5 == 0 else 1.0)
+        if elapsed > 30.0 and S1 in detector.silent_stages(now):
+            read_at.append(elapsed)
+    assert read_at == []
+    # Silent for real: read from just past its longest routine gap.
+    quiet_from = start + beat_at
+    detector.observe([Observation(ObservationKind.HEARTBEAT, quiet_from, stage=S1)])
+    assert S1 not in detector.silent_stages(quiet_from + 1.75)
+    assert S1 in detector.silent_stages(quiet_from + 1.85)
+
+
+def test_a_beating_stage_with_a_stale_load_gauge_and_no_request_on_it_is_not_read() -> None:
+    """vLLM-Omni 0.30 leaves a stage's load gauge at its last batch's count: an idle stage
+    that beats shows 1 running and flat counters. Its spans say no request is on it, so it
+    is not silent; a request admitted and waiting at it makes the same readings a silence."""
+    clock = FakeClock()
+    detector = Detector(DEFAULTS, PIPELINE, clock.monotonic())
+    start = clock.monotonic()
+    read: list[float] = []
+    for tick in range(int(20.0 / STEP)):
+        now = start + tick * STEP
+        out = [Observation(ObservationKind.LOAD, now, S1, 1.0)]
+        if tick % 4 == 0:
+            out.append(Observation(ObservationKind.HEARTBEAT, now, stage=S1))
+            out.append(Observation(ObservationKind.PROGRESS, now, S1, 10.0, detail=STEP_COUNTERS))
+        if tick * STEP == 12.0:
+            out.append(
+                Observation(ObservationKind.REQUEST_ADMITTED, now, request_id="r1", path=(1,))
+            )
+        detector.observe(out)
+        if S1 in detector.silent_stages(now):
+            read.append(tick * STEP)
+    assert read and min(read) > 12.0 + SILENT_SHARE * DEFAULTS.progress_timeout, read
