@@ -309,10 +309,10 @@ def test_legit_work_is_waited_for_and_what_stops_advancing_is_judged_by_its_caus
     """Its talker's forward waits on a JIT build in a child, then runs real
     `torch.compile`s of new functions on a fresh Inductor cache, each longer than every
     shipped timeout; the watchdog, in enforce mode at its shipped thresholds, waits for
-    both, naming each on `/v1/status` while it lasts. Then, in dry run, a build whose child is stopped half-way
-    and a forward spinning in one frame are judged stalled, each verdict naming its cause;
-    each is let go after, and the server is whole again. Only processes of the server are
-    signalled."""
+    both, naming each on `/v1/status` while it lasts. Then, in dry run, a build whose
+    child is stopped half-way and a forward spinning in one frame are judged stalled,
+    each verdict naming its cause; each is let go after, and the server is whole again.
+    Only processes of the server are signalled."""
     server, faults = shared_omni
 
     async def waited_for(watchdog: Any, word: str, cause: SilenceCause, limit: float) -> None:
