@@ -683,12 +683,18 @@ class Detector:
         stall. So it answers only where its own readings prove it is the one: held up, its
         own evidence (a process stopped, in D, exited; counters flat under load), or a
         cause that is no work and that an idle stage never shows."""
-        if memory.last_heartbeat is not None or ref.stage_id in self._remote:
+        if memory.last_heartbeat is not None or ref.stage_id in self._remote or self._beats_seen():
             return held_up or not self._shows_own_liveness(memory, now)
         if held_up or any(e.kind not in _CONSEQUENCES for e in evidence):
             return True
         cause = memory.cause
         return cause is not None and not cause.working and cause.cause in _BLOCKED_CAUSES
+
+    def _beats_seen(self) -> bool:
+        """Some stage of the target beats: the plugin is there, and a stage that never beat
+        beside it is silent by its own doing (its only replica died before the watchdog
+        came), as plain as a stage that stopped beating."""
+        return any(memory.last_heartbeat is not None for memory in self._stages.values())
 
     def _pipeline_status(
         self, shared: list[tuple[EvidenceKind, float, str]], unproved: list[StageRef], now: float
