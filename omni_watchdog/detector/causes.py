@@ -31,6 +31,12 @@ CHILD_WORKING_SHARE = 0.01
 # A thread that waited, runnable, for a CPU at least this share of the time between two
 # readings, and longer than it ran, was starved by its neighbours.
 STARVED_SHARE = 0.1
+# The shortest span two compared readings cover before they say that work stopped: the
+# kernel's CPU times move in ticks, and on a loaded host a compiler waits its turn for a
+# CPU. Measured on the real vLLM-Omni under two busy loops on two cores: a g++ building for
+# a `torch.compile` gained nothing between two readings 0.3 s apart, and the compile was
+# judged stopped and its server shut down.
+COMPARED_SPAN = 2.0
 # Command names (as the kernel keeps them, 15 characters at most) of the programs a JIT
 # build runs: host compilers and linkers, and CUDA's compiler drivers and assemblers.
 COMPILER_NAMES = frozenset(
@@ -135,15 +141,26 @@ _STAGE_ORDER = (
 )
 
 
+def compared_reading(earlier: Sequence[ProcessActivity], after: ProcessActivity) -> ProcessActivity:
+    """Of `earlier` (oldest first, all before `after`), the reading `after` is compared
+    with: the latest at least COMPARED_SPAN before it, else the oldest there is."""
+    base = earlier[0]
+    for reading in earlier:
+        if after.time - reading.time < COMPARED_SPAN:
+            break
+        base = reading
+    return base
+
+
 def process_cause(
     before: ProcessActivity,
     after: ProcessActivity,
     sampled: Sequence[ProcessActivity] = (),
 ) -> CauseFinding:
-    """What the process read at `before` and again at `after` is doing. `sampled`: the
-    readings with stacks before `after` in this silence, oldest first (the latest
-    SAMPLES_KEPT count), for telling a spin (the same frames sample after sample) from
-    work whose frames move."""
+    """What the process read at `before` and again at `after` is doing (`compared_reading`
+    picks `before`). `sampled`: the readings with stacks before `after` in this silence,
+    oldest first (the latest SAMPLES_KEPT count), for telling a spin (the same frames sample
+    after sample) from work whose frames move."""
     interval = after.time - before.time
     if interval <= 0:
         return CauseFinding(SilenceCause.UNKNOWN, False, f"pid {after.pid}: one reading only")
@@ -153,14 +170,17 @@ def process_cause(
             SilenceCause.STOPPED, False, f"pid {after.pid} stopped ({stopped[0].state})"
         )
     earlier = {t.tid: t for t in before.threads}
+    # In D at both readings and not a tick on a CPU between them: one wait all along, not
+    # a stream of short disk writes.
     held = [
         t
         for t in after.threads
         if t.state == "D"
         and earlier.get(t.tid, t).state == "D"
+        and t.cpu_seconds == earlier.get(t.tid, t).cpu_seconds
         and t.wait_channel not in CHILD_WAIT_CHANNELS
     ]
-    if held and not _busy(after.threads, earlier, interval):
+    if held and interval >= COMPARED_SPAN and not _busy(after.threads, earlier, interval):
         where = held[0].wait_channel or "an unnamed kernel wait"
         return CauseFinding(
             SilenceCause.STOPPED,
@@ -184,7 +204,9 @@ def stage_cause(findings: Iterable[CauseFinding]) -> CauseFinding:
 def _child_finding(
     before: ProcessActivity, after: ProcessActivity, interval: float
 ) -> CauseFinding | None:
-    """A descendant working for the process, or one it waits on that does not advance."""
+    """A descendant working for the process, or one it waits on that does not advance.
+    A build moves through its passes in new processes (g++ runs cc1plus, then as, then
+    ld): a descendant started since `before` is working, unless stopped."""
     earlier = {c.pid: c for c in before.children}
     gains = {c.pid: c.cpu_seconds - _child_cpu(earlier.get(c.pid)) for c in after.children}
     working = [
@@ -192,6 +214,7 @@ def _child_finding(
         for c in after.children
         if gains[c.pid] >= CHILD_WORKING_SHARE * interval
         or c.state == "R" == _child_state(earlier.get(c.pid))
+        or (c.pid not in earlier and c.state not in _STOPPED_STATES)
     ]
     if working:
         compilers = [c for c in working if c.name in COMPILER_NAMES]
@@ -204,11 +227,15 @@ def _child_finding(
         return None
     stopped = [c for c in after.children if c.state in _STOPPED_STATES]
     child = stopped[0] if stopped else after.children[0]
-    how = f"stopped ({child.state})" if stopped else "no CPU time gained"
+    waits = f"pid {after.pid} waits on {child.name} pid {child.pid}"
+    if stopped:
+        return CauseFinding(
+            SilenceCause.WAITING_ON_CHILD, False, f"{waits}: stopped ({child.state})"
+        )
+    if interval < COMPARED_SPAN:
+        return CauseFinding(SilenceCause.UNKNOWN, False, f"{waits}: read over {interval:.1f}s only")
     return CauseFinding(
-        SilenceCause.WAITING_ON_CHILD,
-        False,
-        f"pid {after.pid} waits on {child.name} pid {child.pid}: {how} in {interval:.1f}s",
+        SilenceCause.WAITING_ON_CHILD, False, f"{waits}: no CPU time gained in {interval:.1f}s"
     )
 
 

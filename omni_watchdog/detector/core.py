@@ -30,7 +30,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from omni_watchdog.config import DetectionConfig
-from omni_watchdog.detector.causes import SAMPLES_KEPT, CauseFinding, process_cause, stage_cause
+from omni_watchdog.detector.causes import (
+    COMPARED_SPAN,
+    SAMPLES_KEPT,
+    CauseFinding,
+    compared_reading,
+    process_cause,
+    stage_cause,
+)
 from omni_watchdog.detector.expectations import (
     BlindSpells,
     PendingRequest,
@@ -126,16 +133,30 @@ MAX_PROCESSES_PER_STAGE = 512
 # stretch its heartbeat timeout (a p99 of twenty is their longest).
 BEAT_GAPS_KEPT = 256
 BEAT_GAPS_TRUSTED = 20
+# Readings of a stage process kept to compare the next with one COMPARED_SPAN before it:
+# enough at the shortest probe interval (50 ms), a bound whatever the clock does.
+READINGS_KEPT = 64
 
 
 @dataclass
 class _ActivityMemory:
-    """The readings of one stage process while its stage is silent: the latest, the
-    latest ones with stacks (for telling a spin), and what the last two said."""
+    """The readings of one stage process while its stage is silent: the latest, those
+    before it back to the one it is compared with (`compared_reading`), the latest ones
+    with stacks (for telling a spin), and what the latest comparison said."""
 
     latest: ProcessActivity
+    earlier: deque[ProcessActivity] = field(default_factory=lambda: deque(maxlen=READINGS_KEPT))
     sampled: deque[ProcessActivity] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
     finding: CauseFinding | None = None
+
+    def add(self, reading: ProcessActivity) -> None:
+        """Compare `reading` with the one COMPARED_SPAN before it, and keep it."""
+        self.earlier.append(self.latest)
+        while len(self.earlier) > 1 and reading.time - self.earlier[1].time >= COMPARED_SPAN:
+            self.earlier.popleft()
+        before = compared_reading(self.earlier, reading)
+        self.finding = process_cause(before, reading, tuple(self.sampled))
+        self.latest = reading
 
 
 @dataclass
@@ -442,8 +463,7 @@ class Detector:
                 return
             known = memory.activity[reading.pid] = _ActivityMemory(reading)
         elif reading.time > known.latest.time:
-            known.finding = process_cause(known.latest, reading, tuple(known.sampled))
-            known.latest = reading
+            known.add(reading)
         if reading.stacks_read:
             known.sampled.append(reading)
 

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 import pytest
 
 from omni_watchdog.detector.causes import (
+    COMPARED_SPAN,
     SAMPLES_KEPT,
     SPIN_SAMPLES,
     CauseFinding,
+    compared_reading,
     process_cause,
     stage_cause,
 )
@@ -53,8 +55,9 @@ def readings(
     children: tuple[Child, ...] = (),
     stacks: bool = False,
     samples_before: int = SPIN_SAMPLES - 1,
+    interval: float = INTERVAL,
 ) -> tuple[ProcessActivity, ProcessActivity, tuple[ProcessActivity, ...]]:
-    """Two readings INTERVAL apart in which each thread and child did what it says, and
+    """Two readings `interval` apart in which each thread and child did what it says, and
     with `stacks`, `samples_before` earlier samples that showed the frames before."""
     before_threads, after_threads = [], []
     for thread in threads:
@@ -82,7 +85,7 @@ def readings(
         ChildActivity(c.pid, c.name, c.state, (0.0 if c.new else 5.0) + c.ran) for c in children
     )
     before = ProcessActivity(PID, 50.0, tuple(before_threads), before_children, stacks)
-    after = ProcessActivity(PID, 50.0 + INTERVAL, tuple(after_threads), after_children, stacks)
+    after = ProcessActivity(PID, 50.0 + interval, tuple(after_threads), after_children, stacks)
     return before, after, (before,) * samples_before if stacks else ()
 
 
@@ -99,6 +102,18 @@ CASES = {
         False,
         "uninterruptible sleep (D) in nv_wait_event",
     ),
+    "a thread in D at both readings that ran between them is no stop: short waits": (
+        readings((Thread(state="D", wchan="nv_wait_event", ran=0.01),)),
+        SilenceCause.LOCK_OR_QUEUE_WAIT,
+        False,
+        "asleep in nv_wait_event",
+    ),
+    "a thread in D at two readings a moment apart is not yet stopped": (
+        readings((Thread(state="D", wchan="nv_wait_event"),), interval=0.3),
+        SilenceCause.LOCK_OR_QUEUE_WAIT,
+        False,
+        "asleep in nv_wait_event",
+    ),
     "a g++ child at full CPU is a compile, advancing": (
         readings(
             (Thread(wchan="do_wait"),),
@@ -113,6 +128,21 @@ CASES = {
         SilenceCause.COMPILING,
         True,
         "ptxas pid 200 at 75% CPU",
+    ),
+    "a compiler's next pass, started since the last reading, no tick yet, is a compile": (
+        readings(
+            (Thread(wchan="do_wait"),),
+            (Child("g++", 0.0, state="S"), Child("as", 0.0, state="S", new=True, pid=201)),
+        ),
+        SilenceCause.COMPILING,
+        True,
+        "as pid 201 at 0% CPU",
+    ),
+    "a child started since the last reading and stopped is work stopped": (
+        readings((Thread(wchan="do_wait"),), (Child("cc1plus", 0.0, state="T", new=True),)),
+        SilenceCause.WAITING_ON_CHILD,
+        False,
+        "waits on cc1plus pid 200: stopped (T)",
     ),
     "another child working for it is waited on, advancing": (
         readings((Thread(wchan="do_wait"),), (Child("python3", 1.9),)),
@@ -143,6 +173,12 @@ CASES = {
         SilenceCause.WAITING_ON_CHILD,
         False,
         "no CPU time gained",
+    ),
+    "a child it waits on, no tick gained between readings a moment apart, is not known": (
+        readings((Thread(wchan="do_wait"),), (Child("cc1plus", 0.0, state="S"),), interval=0.3),
+        SilenceCause.UNKNOWN,
+        False,
+        "waits on cc1plus pid 200: read over 0.3s only",
     ),
     "an idle child it does not wait on is no cause: a lock wait": (
         readings((Thread(wchan="futex_do_wait"),), (Child("resource_tracker", 0.0, state="S"),)),
@@ -342,3 +378,14 @@ def test_a_spin_that_sometimes_yields_the_gil_to_other_threads_is_still_a_spin()
     assert process_cause(before, handed_over, (handed_over, after)).cause is (
         SilenceCause.COMPUTING
     )
+
+
+def test_a_reading_is_compared_with_the_latest_one_a_span_before_it() -> None:
+    def at(time: float) -> ProcessActivity:
+        return ProcessActivity(PID, time, (ThreadActivity(PID, "S", "", 1.0, 0.0),))
+
+    every_half_second = [at(10.0 + 0.5 * i) for i in range(8)]  # 10.0 .. 13.5
+    assert compared_reading(every_half_second, at(14.0)).time == 14.0 - COMPARED_SPAN
+    assert compared_reading(every_half_second, at(13.7)).time == 11.5
+    # The silence has only begun: the oldest there is.
+    assert compared_reading(every_half_second[:2], at(11.0)).time == 10.0

@@ -68,7 +68,9 @@ class Work:
     """What the talker does with the request, from its arrival, for `lasts` seconds (then
     it beats again and sends its span); forever when `lasts` is None."""
 
-    kind: str  # "block", "spin", "compile", "steps"
+    # "block", "spin", "compile", "steps"; "starved-compile": a compiler given a CPU
+    # only now and then, its time moving by a tick a second (a loaded host)
+    kind: str
     lasts: float | None = None
     # The compiler child is stopped (SIGSTOP) this long after the arrival.
     child_stopped_at: float | None = None
@@ -101,10 +103,14 @@ class Work:
             main = ThreadActivity(201, "R", "", 5.0 + worked, 0.1, frames, owns_gil=spinning)
             return ProcessActivity(201, now, (main,), (), stacks)
         frames = ("wait (/usr/lib/python3.11/threading.py:327)", EXECUTE) if stacks else ()
-        channel = "do_wait" if self.kind == "compile" else "futex_do_wait"
+        compiling = self.kind in ("compile", "starved-compile")
+        channel = "do_wait" if compiling else "futex_do_wait"
         main = ThreadActivity(201, "S", channel, 5.0, 0.1, frames)
         children: tuple[ChildActivity, ...] = ()
-        if self.kind == "compile" and self.working(since):
+        if self.kind == "starved-compile" and self.working(since):
+            ticks = 0.05 * int(since)
+            children = (ChildActivity(COMPILER_PID, "cc1plus", "S", ticks),)
+        elif compiling and self.working(since):
             stopped = self.child_stopped_at is not None and since >= self.child_stopped_at
             ran = min(since, self.child_stopped_at) if stopped and self.child_stopped_at else since
             state = "T" if stopped else "R"
@@ -256,6 +262,14 @@ def test_a_loop_read_asleep_on_a_lock_is_judged_fast_whatever_its_side_threads_w
 LEGIT = [
     ("a compiler child at full CPU for 60 s", Work("compile", lasts=60.0), SilenceCause.COMPILING),
     ("a step whose frames move, for 30 s", Work("steps", lasts=30.0), SilenceCause.COMPUTING),
+    # Read every 0.5 s, it gains nothing between every other pair of readings: measured on
+    # the real vLLM-Omni under two busy loops, a g++ judged stopped from readings 0.3 s
+    # apart got its server shut down.
+    (
+        "a compiler on a loaded host, its CPU time moving a tick a second, for 40 s",
+        Work("starved-compile", lasts=40.0),
+        SilenceCause.COMPILING,
+    ),
 ]
 
 

@@ -5,6 +5,9 @@ code2wav), each stage an engine-core process with its worker; none of these test
 it, and the watchdog, in enforce mode where it could act, must never touch it. Its
 ordinary work (a JIT build, a real `torch.compile`) is waited for; what stops advancing
 (a stopped build, a spin) is judged in dry run, then let go, and the server is whole.
+Then the last test ends it: its API server killed, a hung stage left behind, found and
+ended by the watchdog (a start less than with a server of its own: over a minute on two
+busy cores).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from e2e.harness import (
     incident_done,
     note_worse_than_degraded,
     oncall,
+    steps_of,
     worse_than_degraded,
 )
 from real_omni.judging import in_background, shipped, verdict_on
@@ -36,6 +40,7 @@ from real_vllm.client import (
     all_spans,
     answer,
     chat,
+    gone,
     health_status,
 )
 from real_vllm.server import VllmServer
@@ -43,12 +48,19 @@ from real_vllm.server import VllmServer
 from omni_watchdog.config import load_config
 from omni_watchdog.demo import wait_for
 from omni_watchdog.semconv import HEARTBEAT_SPAN
-from omni_watchdog.types import ProcessRole, SilenceCause, StageRef, StageState
+from omni_watchdog.types import (
+    IncidentOutcome,
+    ProcessRole,
+    SilenceCause,
+    StageRef,
+    StageState,
+    StepName,
+)
 
 # A server of its own takes two minutes and more to start on two busy cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-LOAD_SECONDS = 90.0
+LOAD_SECONDS = 60.0
 
 
 async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
@@ -214,7 +226,7 @@ def test_steady_load_with_one_slow_stage_is_never_worse_than_degraded(
 ) -> None:
     server, faults = shared_omni
     talker = StageRef(1)
-    # The other test worker starts real servers beside this one, on two cores, throughout.
+    # The other test worker runs the rest of the suite beside this one, on two cores.
     thresholds = shipped()
 
     async def scenario() -> None:
@@ -380,5 +392,36 @@ def test_legit_work_is_waited_for_and_what_stops_advancing_is_judged_by_its_caus
             finally:
                 faults.disarm(TALKER.stage_id)
             assert await spun == 200
+
+    asyncio.run(scenario())
+
+
+def test_last_the_killed_api_server_leaves_orphans_that_are_found_and_ended(
+    shared_omni: OmniServer, tmp_path: Path
+) -> None:
+    """The last test here ends the shared server, as a server of its own would be."""
+    server, _ = shared_omni
+    # Orphaned stage processes of 0.30 exit by themselves within seconds, unless one is
+    # hung: the stopped engine is the orphan only the watchdog will end.
+    hung = engine_of(server, 1)
+
+    async def scenario() -> None:
+        async with watched(server, tmp_path) as watchdog:
+            server.signal(hung, signal.SIGSTOP)
+            server.signal(server.tree()[0], signal.SIGKILL)
+            await wait_for(lambda: server.process.poll() is not None, 10)
+            incident = await incident_done(watchdog, 90)
+            assert "orphan" in incident.cause, incident.cause
+            ended = {
+                pid
+                for step in incident.steps
+                if step.step in (StepName.TERMINATE, StepName.KILL)
+                for pid in step.targets
+            }
+            assert hung.pid in ended, steps_of(incident)
+            # A stopped process acts on no signal but SIGKILL (vLLM's engine handles SIGTERM,
+            # so that one waits, pending): the kill step ended the orphans, not a crash.
+            assert incident.outcome is IncidentOutcome.RECOVERED_BY_KILL, steps_of(incident)
+            await gone(server, 15)
 
     asyncio.run(scenario())

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,9 @@ MODEL_NAME = "tiny"
 ADMIN_TOKEN = "real-vllm-test-token"
 # About 30 s to ready on two cores; a loaded CI machine gets three times that and more.
 READY_TIMEOUT = 150.0
+# A log line at level ERROR or CRITICAL whose message is not a line of a traceback (those
+# are indented), nor its heading.
+ERROR_LINE = re.compile(r"\b(?:ERROR|CRITICAL)\b[^\]]*\]\s(?!Traceback)\S")
 
 # The short timeouts of the simulated-server tests; no GPU here, so the GPU probe is left
 # out rather than reported failing all along. The canary matters: the real /health stays
@@ -126,14 +130,27 @@ class StartedTree:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
+    def first_errors(self, lines: int = 12) -> str:
+        """The log's first distinct error messages: a traceback fills the tail, and what
+        began the failure is at its top."""
+        found: dict[str, str] = {}
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            error = ERROR_LINE.search(line)
+            if error is not None:
+                found.setdefault(line[error.end() - 1 :], line[-300:])
+            if len(found) == lines:
+                break
+        return "\n".join(found.values()) or "(none)"
+
     def account(self) -> str:
         """What a failed test prints of this tree: how its root ended, every process
-        recorded, the log's tail."""
+        recorded, the log's first errors and its tail."""
         code = self.process.poll()
         root = "running" if code is None else f"exited with {code}"
         table = explain.process_table(self.seen, start_time)
         return (
-            f"root pid {self.process.pid} {root}; processes:\n{table}\nlog tail:\n{self.log_tail()}"
+            f"root pid {self.process.pid} {root}; processes:\n{table}\n"
+            f"first errors:\n{self.first_errors()}\nlog tail:\n{self.log_tail()}"
         )
 
     def exited(self, what: str) -> NoReturn:
