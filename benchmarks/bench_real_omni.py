@@ -27,11 +27,14 @@ request after 0.2 to 3 s. Every incident would be a false remediation.
 
 Legit work: stage 1's forward compiles (a real torch.compile), waits on a JIT build in a
 child, or computes for 20 s, each longer than every shipped timeout, with a watchdog in
-enforce mode at the shipped thresholds: each incident would be a false remediation.
+enforce mode at the shipped thresholds: each incident would be a false remediation. With
+`--busy-loops N`, N processes spin on the CPUs beside the server all the while (a loaded
+host, where a compiler waits its turn for a CPU), and the figures go to a section of
+their own.
 
     python benchmarks/bench_real_omni.py [--runs 20] [--fault block --fault spin ...]
         [--bf16-starts 3] [--rounds 8] [--soak-seconds 600] [--legit-runs 5]
-        [--only faults|overhead|bf16|soak|legit]
+        [--busy-loops 2] [--only faults|overhead|bf16|soak|legit]
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ STARTS_SECTION = "Real vLLM-Omni: first requests after start"
 OVERHEAD_SECTION = "Real servers: plugin overhead"
 SOAK_SECTION = "Real vLLM-Omni: never-wrong soak"
 LEGIT_SECTION = "Real vLLM-Omni: legit work is never remediated"
+LOADED_LEGIT_SECTION = "Real vLLM-Omni: legit work on a loaded host is never remediated"
 # Stage 1's forward, armed once per run, each longer than every shipped timeout: what it
 # does, and the cause the watchdog should name while it lasts.
 LEGIT_WORK = (
@@ -972,16 +976,28 @@ async def legit_run(watchdog: Any, server: VllmServer, faults: Any, word: str) -
     return run
 
 
+@contextlib.contextmanager
+def busy_loops(count: int) -> Iterator[None]:
+    """`count` processes of this benchmark's own spinning on the CPUs while it lasts."""
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for process in spinning:
+            process.kill()
+            process.wait()
+
+
 def run_legit_work(
-    runs: int, model: Path, workdir: Path, tally: Tally
+    runs: int, model: Path, workdir: Path, tally: Tally, busy: int = 0
 ) -> list[tuple[str, str, str, str]]:
     """Every kind of legit work `runs` times on one server, a watchdog in enforce mode at
-    the shipped thresholds: each incident would be a false remediation, and ends the
-    server (a new one is started for the runs left)."""
+    the shipped thresholds, `busy` loops spinning beside them: each incident would be a
+    false remediation, and ends the server (a new one is started for the runs left)."""
     measured: dict[str, list[LegitRun]] = {word: [] for word, _, _ in LEGIT_WORK}
     plan = [word for _ in range(runs) for word, _, _ in LEGIT_WORK]
     while plan:
-        with stopped_at_exit([]) as servers:
+        with stopped_at_exit([]) as servers, busy_loops(busy):
             server, faults = start_omni_server(model, workdir / f"server-{len(plan)}")
             servers.append(server)
 
@@ -1046,6 +1062,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["faults", "overhead", "bf16", "soak", "legit"])
     parser.add_argument("--legit-runs", type=int, default=5, help="runs of each legit work")
+    parser.add_argument(
+        "--busy-loops", type=int, default=0, help="processes spinning beside the legit work"
+    )
     parser.add_argument("--soak-seconds", type=float, default=600.0)
     parser.add_argument(
         "--runs", type=int, default=20, help="fresh servers per fault (about 2 min each)"
@@ -1082,17 +1101,25 @@ def main(argv: list[str] | None = None) -> int:
         failed = failed or any(row[3].startswith("FAIL") for row in rows)
         print("\n".join(" | ".join(row) for row in rows), flush=True)
     if "legit" in parts:
-        rows = run_legit_work(args.legit_runs, omni_model, workdir / "legit", tally)
+        busy = args.busy_loops
+        rows = run_legit_work(args.legit_runs, omni_model, workdir / "legit", tally, busy)
         failed = failed or any(row[3].startswith("FAIL") for row in rows)
+        loaded = (
+            f" {busy} processes spinning on the CPUs beside the server and the watchdog"
+            " throughout (`--busy-loops`), so a compiler waits its turn for a CPU;"
+            if busy
+            else ""
+        )
         record(
-            LEGIT_SECTION,
+            LOADED_LEGIT_SECTION if busy else LEGIT_SECTION,
             rows,
             "The real vLLM-Omni 0.30 (CPU harness), a watchdog in enforce mode at the shipped"
             " thresholds; stage 1's forward, armed for one request each run: a real"
             " torch.compile on a fresh Inductor cache (g++ in child processes), a 20 s wait on"
             " a child at full CPU, 20 s of tensor work. One server for every run while none"
-            " is remediated; each stage's state and stage 1's cause read every 0.25 s;"
-            " `python benchmarks/bench_real_omni.py --only legit`.",
+            f" is remediated;{loaded} each stage's state and stage 1's cause read every"
+            " 0.25 s; `python benchmarks/bench_real_omni.py --only legit"
+            f"{f' --busy-loops {busy}' if busy else ''}`.",
         )
         print("\n".join(" | ".join(row) for row in rows), flush=True)
     if "soak" in parts:

@@ -125,9 +125,8 @@ def _compile_new_functions() -> None:
     # Functions no cache has seen, each its own kernel: constants of their own make their
     # C++ source new, so each is generated and built by g++ again. One alone takes about a
     # second once the process has compiled before (measured on an idle host: twelve took
-    # 24 s the first time in a process, 12 s to 13 s after). Six: under a full test run on
-    # two cores twelve outran vLLM's own 60 s bound on one engine step, and the request
-    # failed whatever the watchdog did.
+    # 24 s the first time in a process, 12 s to 13 s after). Six, as the first compile of
+    # a process (16 s alone), make a silence longer than the shipped heartbeat timeout.
     salt = uuid.uuid4().hex[:8]
     for index in range(COMPILED_FUNCTIONS):
         constant = uuid.uuid4().int % 100_000 + index
