@@ -31,7 +31,6 @@ from dataclasses import dataclass, field, replace
 
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector.causes import (
-    COMPARED_SPAN,
     SAMPLES_KEPT,
     CauseFinding,
     compared_reading,
@@ -133,8 +132,9 @@ MAX_PROCESSES_PER_STAGE = 512
 # stretch its heartbeat timeout (a p99 of twenty is their longest).
 BEAT_GAPS_KEPT = 256
 BEAT_GAPS_TRUSTED = 20
-# Readings of a stage process kept to compare the next with one COMPARED_SPAN before it:
-# enough at the shortest probe interval (50 ms), a bound whatever the clock does.
+# Readings of a stage process kept to compare the next with one `COMPARED_SPAN` before it
+# (detector/causes.py): enough at the shortest probe interval (50 ms), a bound whatever
+# the clock does.
 READINGS_KEPT = 64
 
 
@@ -152,9 +152,10 @@ class _ActivityMemory:
     def add(self, reading: ProcessActivity) -> None:
         """Compare `reading` with the one COMPARED_SPAN before it, and keep it."""
         self.earlier.append(self.latest)
-        while len(self.earlier) > 1 and reading.time - self.earlier[1].time >= COMPARED_SPAN:
-            self.earlier.popleft()
         before = compared_reading(self.earlier, reading)
+        # Those before it are no use to any later reading.
+        while self.earlier[0] is not before:
+            self.earlier.popleft()
         self.finding = process_cause(before, reading, tuple(self.sampled))
         self.latest = reading
 

@@ -12,8 +12,8 @@
 - `jit:<seconds>`: one forward waits on a child process working at full CPU for that long
   (how nvcc, ptxas, Triton or FlashInfer JIT builds look from outside);
 - `compile`: one forward runs real `torch.compile`s of new functions on a fresh Inductor
-  cache (Python code generation here, `g++` in child processes), cold or not: 10 s and
-  more on two cores;
+  cache (Python code generation here, `g++` in child processes): the first in a process
+  15 s and more on two cores, a later one several seconds;
 - `slow-step:<seconds>`: one forward does that much CPU work (tensor operations in a
   Python loop), then goes on.
 
