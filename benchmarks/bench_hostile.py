@@ -33,7 +33,14 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import record
-from watchdog_process import start_plain_target, start_watchdog, target_resource, wait_attached
+from watchdog_process import (
+    BENCH_AUTHORIZATION,
+    BENCH_TOKEN,
+    start_plain_target,
+    start_watchdog,
+    target_resource,
+    wait_attached,
+)
 
 from omni_watchdog.demo import free_port
 from omni_watchdog.process_start import boot_id
@@ -104,7 +111,9 @@ def huge_attribute(resource: list[KeyValue], index: int) -> bytes:
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: bytes) -> int:
-    async with session.post(url, data=body, headers=PROTOBUF) as response:
+    async with session.post(
+        url, data=body, headers={**PROTOBUF, **BENCH_AUTHORIZATION}
+    ) as response:
         await response.read()
         return response.status
 
@@ -178,7 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     target_port, api_port, otlp_port = free_port(), free_port(), free_port()
     target = start_plain_target(target_port)
     watchdog = start_watchdog(
-        workdir, f"http://127.0.0.1:{target_port}", api_port, otlp_port, [], generation="0.11"
+        workdir,
+        f"http://127.0.0.1:{target_port}",
+        api_port,
+        otlp_port,
+        [],
+        generation="0.11",
+        # Its loads speak in the target's name, from here: with the token, as its plugin
+        # would (without one only the target's own process may).
+        otlp_token=BENCH_TOKEN,
     )
     try:
         rows = asyncio.run(hostile(api_port, otlp_port, target.pid, psutil.Process(watchdog.pid)))

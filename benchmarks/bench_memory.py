@@ -27,7 +27,14 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results import record
-from watchdog_process import start_plain_target, start_watchdog, target_resource, wait_attached
+from watchdog_process import (
+    BENCH_AUTHORIZATION,
+    BENCH_TOKEN,
+    start_plain_target,
+    start_watchdog,
+    target_resource,
+    wait_attached,
+)
 
 from omni_watchdog.demo import free_port
 from omni_watchdog.semconv import (
@@ -101,7 +108,7 @@ async def measure(
             async with session.post(
                 f"http://127.0.0.1:{otlp_port}/v1/traces",
                 data=body,
-                headers={"Content-Type": "application/x-protobuf"},
+                headers={"Content-Type": "application/x-protobuf", **BENCH_AUTHORIZATION},
             ) as response:
                 await response.read()
                 if response.status != 200:
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         otlp_port,
         # A queue that holds the whole burst, so that none of it is refused with 503.
         [f"spans.queue_size={REQUESTS // BATCH * 2}"],
+        otlp_token=BENCH_TOKEN,
     )
     try:
         before, after = asyncio.run(

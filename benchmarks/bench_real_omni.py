@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -619,13 +619,20 @@ class Pair:
     omni: bool
 
 
-async def load(session: aiohttp.ClientSession, url: str, requests: int, in_flight: int) -> float:
-    """Requests per second for `requests` chat completions, `in_flight` at a time."""
+# One request to a server: its HTTP status.
+Send = Callable[[aiohttp.ClientSession, str], Awaitable[int]]
+
+
+async def load(
+    session: aiohttp.ClientSession, url: str, requests: int, in_flight: int, send: Send = chat
+) -> float:
+    """Requests per second for `requests` requests (chat completions unless `send` says
+    otherwise), `in_flight` at a time."""
     remaining = iter(range(requests))
 
     async def worker() -> None:
         for _ in remaining:
-            status = await chat(session, url)
+            status = await send(session, url)
             if status != 200:
                 raise RuntimeError(f"{url}: HTTP {status}")
 
@@ -653,6 +660,7 @@ async def alternate(
     rounds: int,
     requests: int,
     in_flight: int,
+    send: Send = chat,
 ) -> OverheadFigures:
     figures = OverheadFigures([], [], 0.0, 0.0)
     connector = aiohttp.TCPConnector(limit=in_flight * 2)
@@ -660,11 +668,11 @@ async def alternate(
         for api_url in api_urls:
             await wait_healthy(session, api_url + "/healthz", 60)
         for server in (instrumented, bare):  # warm both: connections, stage queues, exporters
-            await load(session, server.url, max(in_flight, requests // 4), in_flight)
+            await load(session, server.url, max(in_flight, requests // 4), in_flight, send)
         for index in range(rounds):
             order = [(instrumented, figures.with_plugin), (bare, figures.without)]
             for server, measured in order if index % 2 == 0 else reversed(order):
-                measured.append(await load(session, server.url, requests, in_flight))
+                measured.append(await load(session, server.url, requests, in_flight, send))
             # The load average tells a round that something else on the machine disturbed.
             print(
                 f"  round {index + 1}: with {figures.with_plugin[-1]:.2f}/s,"

@@ -17,8 +17,10 @@ BENCHMARKS = [
     "bench_memory.py",
     "bench_idle.py",
     "bench_hostile.py",
+    "bench_hostile_stalls.py",
     # The real servers, about 40 minutes on two cores; skipped without their environments.
     "bench_real_omni.py",
+    "bench_real_diffusion.py",
 ]
 
 

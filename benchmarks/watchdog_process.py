@@ -58,6 +58,11 @@ async def wait_attached(
         await asyncio.sleep(0.2)
 
 
+# The receiver token of a benchmark that posts spans in its target's name.
+BENCH_TOKEN = "bench-token"
+BENCH_AUTHORIZATION = {"Authorization": f"Bearer {BENCH_TOKEN}"}
+
+
 def start_watchdog(
     workdir: Path,
     target: str,
@@ -65,10 +70,13 @@ def start_watchdog(
     otlp_port: int,
     settings: list[str],
     generation: str | None = "0.11",
+    otlp_token: str = "",
 ) -> subprocess.Popen[bytes]:
     """An observe-mode watchdog without NVML; `settings` are `FIELD=VALUE` for `--set`.
     With `generation` None it gets no stage config: a real server's plugin reports its
-    topology."""
+    topology. With `otlp_token` its receiver takes spans with that token, and from any
+    process of this host that has it: a benchmark posting in its target's name needs it
+    (without one, only the process a span names may send it)."""
     command = Path(sys.executable).with_name("omni-watchdog")
     log = (workdir / "watchdog.log").open("ab")
     argv = [
@@ -95,5 +103,8 @@ def start_watchdog(
         argv,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_WATCHDOG_")},
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("OMNI_WATCHDOG_")},
+            **({"OMNI_WATCHDOG_OTLP_TOKEN": otlp_token} if otlp_token else {}),
+        },
     )

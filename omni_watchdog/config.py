@@ -148,6 +148,14 @@ def _check_optional_url(value: str) -> None:
         _check_url(value)
 
 
+def _check_token(value: str) -> None:
+    # The value is never shown: it is a secret, or one mistyped.
+    if value and not value.strip():
+        raise ValueError("a token of only spaces: every request would be refused")
+    if value != value.strip():
+        raise ValueError("a token has spaces at its ends: the one a client sends has none")
+
+
 def _check_path(value: str) -> None:
     if not value.startswith("/"):
         raise ValueError(f"expected a path starting with '/', got {_shown(value)}")
@@ -518,16 +526,18 @@ class WatchdogConfig:
     state_dir: str = _setting(
         "", "Incident journal, bundles and lock; empty means ~/.local/state/omni-watchdog."
     )
-    admin_token: str = _setting("", "Bearer token for the shutdown endpoint.")
+    admin_token: str = _setting("", "Bearer token for the shutdown endpoint.", check=_check_token)
     otlp_token: str = _setting(
         "",
         "Bearer token the OTLP receiver requires of every export (OMNI_WATCHDOG_OTLP_TOKEN);"
         " required when spans.otlp_listen is not a loopback address.",
+        check=_check_token,
     )
     operator_token: str = _setting(
         "",
         "Bearer token of the operator's actions (remediate, pause, resume) on the API"
         " (OMNI_WATCHDOG_OPERATOR_TOKEN); empty refuses every action.",
+        check=_check_token,
     )
     otlp_export_endpoint: str = _setting(
         "",

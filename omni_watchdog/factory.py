@@ -20,7 +20,7 @@ from omni_watchdog import process_start
 from omni_watchdog.app import CANARY_CHECK_EVERY, SPANS_EVERY, Watchdog
 from omni_watchdog.config import WORKING_CAUSES, WatchdogConfig
 from omni_watchdog.detector import Detector
-from omni_watchdog.exporters.api import JsonApi
+from omni_watchdog.exporters.api import BundleReads, JsonApi
 from omni_watchdog.exporters.history import IncidentHistory
 from omni_watchdog.exporters.prometheus import MetricsExposition
 from omni_watchdog.exporters.traces import IncidentTraces
@@ -32,6 +32,7 @@ from omni_watchdog.policy.incidents import (
     BundleWriter,
     EnforcementBudget,
     IncidentJournal,
+    SerialWriter,
     StateWriteErrors,
     TargetLock,
     lock_dir_for,
@@ -46,6 +47,7 @@ from omni_watchdog.probes.gpu import GpuProbe, load_nvml
 from omni_watchdog.probes.health import HealthProbe
 from omni_watchdog.probes.link import MasterLinkProbe
 from omni_watchdog.probes.metrics import MetricsProbe
+from omni_watchdog.probes.peers import SocketOwners
 from omni_watchdog.probes.processes import ProcessTracker, ThreadWaits
 from omni_watchdog.probes.server_config import ServerConfigReader
 from omni_watchdog.probes.span_store import SpanStore
@@ -176,6 +178,13 @@ def _assemble(
         # stranger's.
         sender_grace=max(2.0, 4 * probes.interval),
         remote_stages=frozenset(config.remote_stages),
+        # Without a token (the loopback default), a sender of this host is looked up in
+        # /proc: the pid a span claims must be the process whose connection it came on.
+        # Only a real table of this host's processes can tell; with a token, the token
+        # proves the sender (whoever holds it can ptrace the server anyway).
+        owners=SocketOwners()
+        if senders is None and process_table is psutil and not config.otlp_token
+        else None,
     )
     gpu = GpuProbe(nvml, clock, tracker.stage_of) if nvml is not None else None
     if gpu is None and "gpu" in enabled:
@@ -194,7 +203,9 @@ def _assemble(
         (HealthProbe(session, target_url, probes, clock), probes.health_interval),
         (MetricsProbe(session, target_url, probes, clock), probes.metrics_interval),
         (
-            CanaryProbe(session, target_url, probes, clock, detector.last_progress),
+            CanaryProbe(
+                session, target_url, probes, clock, detector.last_progress, detector.canary_plan
+            ),
             CANARY_CHECK_EVERY,
         ),
         (receiver, SPANS_EVERY),
@@ -259,7 +270,7 @@ def _assemble(
         report=bundles.write_json,
         on_internal_error=errors.record,
     )
-    journal = IncidentJournal(state_dir / "journal.jsonl", write_errors)
+    journal = IncidentJournal(state_dir / "journal.jsonl", write_errors, writer=SerialWriter())
     policy = Policy(
         config.mode,
         runner,
@@ -285,6 +296,7 @@ def _assemble(
     stats.ignore_closed(policy.incidents())
 
     listeners: dict[str, Listener] = {}
+    reads = BundleReads()
     assembler = StateAssembler(
         clock=clock,
         target=target,
@@ -302,11 +314,12 @@ def _assemble(
         host=host,
         link=link,
         activity=activity if ActivityProbe.name in enabled else None,
+        reads=reads,
     )
     first = assembler.make(topology, None, None)
     work_budgets = {cause: config.detection.work_budget(cause) for cause in WORKING_CAUSES}
     exposition = MetricsExposition(clock, first, work_budgets)
-    api = JsonApi(clock, first, exposition, bundles, journal.actions)
+    api = JsonApi(clock, first, exposition, bundles, journal.actions, reads)
     exporters: list[Exporter] = [exposition, api, IncidentHistory(bundles.write_json)]
     traces = IncidentTraces(config.otlp_export_endpoint) if config.otlp_export_endpoint else None
     if traces is not None:

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from omni_watchdog.config import parse_duration
+from omni_watchdog.http_body import read_at_most
 
 # The watchdog's own bound on one pause, checked here too so that a typo such as
 # `--for 30h` is a usage error before anything is sent.
@@ -56,6 +57,11 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_INTERRUPTED = 130
+
+# The most of an answer read: a watchdog's JSON is kilobytes, its largest report a few
+# megabytes; a server that sends more is not one (measured: 3.5 GB read in 5.7 s).
+MAX_JSON_BYTES = 16 * 2**20
+MAX_REPORT_BYTES = 64 * 2**20
 
 # Frames shown per thread of a process's stack dump: the innermost ones say where it waits.
 STACK_FRAMES = 8
@@ -238,6 +244,12 @@ def run_command(args: argparse.Namespace, console: Console | None = None) -> int
     except _Failed as error:
         console.err.write(f"omni-watchdog {command}: {error}\n")
         return EXIT_FAILED
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as error:
+        # An answer of the wrong shape, from a server that is not the watchdog or one of
+        # another version: one line, never a traceback.
+        what = _clean(f"{type(error).__name__}: {error}")[:200]
+        console.err.write(f"omni-watchdog {command}: an answer this command cannot read ({what})\n")
+        return EXIT_FAILED
 
 
 async def _run(command: str, args: argparse.Namespace, console: Console) -> int:
@@ -297,7 +309,7 @@ class WatchdogClient:
         return self._json(path, await self._call("GET", path))
 
     async def get_bytes(self, path: str) -> bytes:
-        return await self._call("GET", path, accept="text/html")
+        return await self._call("GET", path, accept="text/html", limit=MAX_REPORT_BYTES)
 
     async def post_json(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
         return self._json(path, await self._call("POST", path, body))
@@ -308,6 +320,7 @@ class WatchdogClient:
         path: str,
         body: Mapping[str, Any] | None = None,
         accept: str = "application/json",
+        limit: int = MAX_JSON_BYTES,
     ) -> bytes:
         headers = {"Accept": accept}
         # Only the mutating routes check the token: the read ones never get to see it.
@@ -323,9 +336,9 @@ class WatchdogClient:
                 headers=headers,
                 allow_redirects=False,
             ) as response:
-                data = await response.read()
+                data, more = await read_at_most(response, limit)
                 status = response.status
-                phrase = response.reason or ""
+                phrase = _clean(response.reason or "")
         except asyncio.TimeoutError:
             raise self._unreachable(method, path, f"no answer within {self._timeout:g}s") from None
         except aiohttp.ClientConnectorError as error:
@@ -338,7 +351,12 @@ class WatchdogClient:
         except aiohttp.ClientConnectionError as error:
             raise self._unreachable(method, path, str(error) or type(error).__name__) from None
         except aiohttp.ClientError as error:
-            raise _Failed(f"{method} {url}: {error or type(error).__name__}") from None
+            raise _Failed(f"{method} {url}: {_clean(str(error)) or type(error).__name__}") from None
+        if more:
+            raise _Failed(
+                f"{method} {url}: an answer over {limit // 2**20} MiB, not read:"
+                " no watchdog sends one; is that its API address?"
+            )
         if not 200 <= status < 300:
             reason = _error_reason(data) or phrase
             if status == 401 and not self._token:
@@ -356,7 +374,7 @@ class WatchdogClient:
     def _json(self, path: str, data: bytes) -> Any:
         try:
             return json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             raise _Failed(
                 f"{self.base_url}{path} did not answer JSON: is that the watchdog's API address?"
             ) from None
@@ -366,7 +384,7 @@ def _error_reason(data: bytes) -> str:
     """The `error` of a JSON error body; else its first line (aiohttp's own pages)."""
     try:
         body = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         body = None
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         return _clean(body["error"])
@@ -449,7 +467,7 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
         # The target fails and no stage's own readings answer for it: said once, here,
         # rather than as every stage's state.
         since = _number(pipeline.get("since"))
-        evidence = [_mapping(e) for e in pipeline.get("evidence") or ()]
+        evidence = [_mapping(e) for e in _items(pipeline.get("evidence"))]
         lines.append(
             _field(
                 "target",
@@ -458,7 +476,7 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
             )
         )
     lines.append("")
-    stages = [_mapping(stage) for stage in status.get("stages") or ()]
+    stages = [_mapping(stage) for stage in _items(status.get("stages"))]
     if not stages:
         lines.append("no stage judged yet")
         return lines
@@ -466,8 +484,8 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
     for stage in stages:
         state = _text(stage.get("state"))
         since = _number(stage.get("since"))
-        evidence = [_mapping(e) for e in stage.get("evidence") or ()]
-        pids = [_text(p) for p in stage.get("pids") or ()]
+        evidence = [_mapping(e) for e in _items(stage.get("evidence"))]
+        pids = [_text(p) for p in _items(stage.get("pids"))]
         shown_pids = ",".join(pids[:PIDS_SHOWN]) + (
             f" +{len(pids) - PIDS_SHOWN}" if len(pids) > PIDS_SHOWN else ""
         )
@@ -503,7 +521,32 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
         for row, stage in zip(rows, stages, strict=True):
             row.insert(3, _text(stage.get("host")) + (" (remote)" if stage.get("remote") else ""))
     lines.extend(_table(columns, rows, console.columns, console.colour))
+    lines.extend(_stage_notes(stages))
     return lines
+
+
+def _stage_notes(stages: list[Mapping[str, Any]]) -> list[str]:
+    """Under the table: each request a diffusion stage is denoising, at its step and pace,
+    and the requests a stage failed (request errors, not a stopped stage)."""
+    notes: list[str] = []
+    for stage in stages:
+        name = f"stage {_text(stage.get('stage_id'))}.{_text(stage.get('replica'))}"
+        name += f" ({_text(stage.get('name'))})"
+        pace = _number(stage.get("seconds_per_step"))
+        for request in _items(stage.get("denoising")):
+            request = _mapping(request)
+            steps = _number(request.get("steps"))
+            in_step = _number(request.get("step_seconds"))
+            notes.append(
+                f"{name} denoising {_text(request.get('request_id'))}:"
+                f" step {_text(request.get('step'))}/{'?' if steps is None else f'{steps:.0f}'},"
+                f" {'?' if pace is None else f'{pace:.2f}'}s a step,"
+                f" {_age(in_step)} into this one"
+            )
+        errors = _number(stage.get("request_errors"))
+        if errors:
+            notes.append(f"{name} failed {errors:.0f} request(s) (request errors, not acted on)")
+    return ["", *notes] if notes else []
 
 
 def _why(cause: Any, evidence: list[Mapping[str, Any]]) -> str:
@@ -526,7 +569,7 @@ async def _incidents(client: WatchdogClient, args: argparse.Namespace, console: 
         if args.json:
             console.say(json.dumps(listing, indent=2, sort_keys=True))
             return EXIT_OK
-        incidents = [_mapping(i) for i in _mapping(listing).get("incidents") or ()]
+        incidents = [_mapping(i) for i in _items(_mapping(listing).get("incidents"))]
         if not incidents:
             console.say("no incidents")
             return EXIT_OK
@@ -554,7 +597,7 @@ def _incident_table(incidents: Sequence[Mapping[str, Any]], console: Console) ->
     for incident in incidents:
         steps = " ".join(
             f"{_text(s.get('step'))}:{_text(s.get('outcome'))}"
-            for s in (_mapping(s) for s in incident.get("steps") or ())
+            for s in (_mapping(s) for s in _items(incident.get("steps")))
         )
         opened = _number(incident.get("opened"))
         rows.append(
@@ -615,7 +658,7 @@ def _incident_lines(
         width = max(len(mark) for mark, _ in marks)
         lines += [f"  {mark:>{width}}  {name}" for mark, name in marks]
 
-    verdicts = [_mapping(v) for v in incident.get("verdicts") or ()]
+    verdicts = [_mapping(v) for v in _items(incident.get("verdicts"))]
     if verdicts:
         lines += ["", "verdicts:"]
         # Verdict times are the watchdog's monotonic seconds; the timeline's `verdict` is
@@ -638,11 +681,11 @@ def _incident_lines(
             cause = verdict.get("cause")
             if isinstance(cause, dict):
                 lines.append(f"      cause {_cause_text(cause)}")
-            for evidence in (_mapping(e) for e in verdict.get("evidence") or ()):
+            for evidence in (_mapping(e) for e in _items(verdict.get("evidence"))):
                 kind, detail = _text(evidence.get("kind")), _text(evidence.get("detail"))
                 lines.append(f"      {kind}: {detail}")
 
-    steps = [_mapping(s) for s in incident.get("steps") or ()]
+    steps = [_mapping(s) for s in _items(incident.get("steps"))]
     if steps:
         lines += ["", "steps:"]
         starts = [offset(_number(s.get("started"))) for s in steps]
@@ -736,7 +779,7 @@ async def _remediate(client: WatchdogClient, args: argparse.Namespace, console: 
         await client.post_json("/v1/remediate", {"incident": args.incident, "from": args.from_step})
     )
     incident_id = _text(started.get("incident_id"))
-    steps = " ".join(_text(step) for step in started.get("steps") or ())
+    steps = " ".join(_text(step) for step in _items(started.get("steps")))
     console.say(f"ladder started: incident {incident_id} (mode {_text(started.get('mode'))})")
     console.say(f"planned steps: {steps or 'none'}")
     console.say(f"follow it with: omni-watchdog incidents {incident_id}")
@@ -779,7 +822,9 @@ async def _resume(client: WatchdogClient, args: argparse.Namespace, console: Con
 async def _report(client: WatchdogClient, args: argparse.Namespace, console: Console) -> int:
     page = await client.get_bytes(_incident_path(args.incident, "/report"))
     if args.html == "-":
-        console.out.write(page.decode("utf-8", "replace"))
+        # To a terminal, perhaps: the page's text as it prints, never a raw escape.
+        lines = page.decode("utf-8", "replace").splitlines()
+        console.out.write("".join(_clean(line, keep_indent=True) + "\n" for line in lines))
         return EXIT_OK
     try:
         with open(args.html, "wb") as file:
@@ -884,6 +929,11 @@ def _number(value: Any) -> float | None:
 
 def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, dict) else {}
+
+
+def _items(value: Any) -> list[Any]:
+    """A list the answer holds, or none: a string, a number or a mapping is not one."""
+    return value if isinstance(value, list) else []
 
 
 def _utc(wall: float | None, zone: bool = True) -> str:

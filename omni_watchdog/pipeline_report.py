@@ -17,6 +17,7 @@ from omni_watchdog.semconv import (
     PIPELINE_STAGE_INPUTS,
     PIPELINE_STAGE_NAMES,
     PIPELINE_STAGE_REPLICAS,
+    PIPELINE_STAGE_TYPES,
 )
 from omni_watchdog.types import Stage
 
@@ -27,6 +28,7 @@ KEYS = frozenset(
         PIPELINE_STAGE_REPLICAS,
         PIPELINE_STAGE_INPUTS,
         PIPELINE_STAGE_FINAL_OUTPUT,
+        PIPELINE_STAGE_TYPES,
     }
 )
 # Stage names become metric labels; the watchdog refuses a report with a longer one.
@@ -35,7 +37,7 @@ MAX_STAGE_NAME = 64
 
 def encode_report(stages: Sequence[Stage]) -> dict[str, list[int] | list[str] | list[bool]]:
     """The span attributes that describe these stages (their ids, names, replica counts,
-    input stage ids and whether they give the request's output)."""
+    input stage ids, whether they give the request's output, and what runs them)."""
     return {
         PIPELINE_STAGE_IDS: [stage.stage_id for stage in stages],
         PIPELINE_STAGE_NAMES: [stage.name[:MAX_STAGE_NAME] for stage in stages],
@@ -44,4 +46,5 @@ def encode_report(stages: Sequence[Stage]) -> dict[str, list[int] | list[str] | 
             ",".join(str(source) for source in stage.upstream) for stage in stages
         ],
         PIPELINE_STAGE_FINAL_OUTPUT: [stage.final_output for stage in stages],
+        PIPELINE_STAGE_TYPES: [stage.stage_type for stage in stages],
     }

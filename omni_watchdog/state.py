@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from omni_watchdog.detector import Detector
+from omni_watchdog.exporters.api import BundleReads
 from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.core import Policy
 from omni_watchdog.policy.incidents import StateWriteErrors
@@ -52,10 +53,13 @@ class StateAssembler:
         host: str = "",
         link: MasterLinkProbe | None = None,
         activity: ActivityProbe | None = None,
+        reads: BundleReads | None = None,
     ) -> None:
         """`listeners` is read at each state: the watchdog fills it as it binds them.
         `host` names this host; `link` is a headless stage's link probe; `activity` the
-        activity probe, whose failed stack samples join its health."""
+        activity probe, whose failed stack samples join its health; `reads` the API's
+        bundle reads, whose refusals are counted."""
+        self._reads = reads
         self._host = host
         self._link = link
         self._activity = activity
@@ -161,4 +165,5 @@ class StateAssembler:
             blind_seconds=self._sight.blind_seconds,
             blind_spells=self._sight.blind_spells,
             set_aside={kind.value: count for kind, count in self._detector.set_aside.items()},
+            bundle_reads_refused=self._reads.refused if self._reads is not None else 0,
         )

@@ -18,7 +18,7 @@ import yaml
 
 from omni_watchdog import semconv
 from omni_watchdog.pipeline_report import MAX_STAGE_NAME
-from omni_watchdog.types import Stage, StageRef, Topology, TopologyOrigin
+from omni_watchdog.types import STAGE_TYPES, Stage, StageRef, Topology, TopologyOrigin
 
 
 class TopologyError(ValueError):
@@ -62,6 +62,9 @@ class TopologySenders:
 
     def maps(self, stage: StageRef) -> bool:
         return stage in self._refs
+
+    def live_pids(self) -> list[int]:
+        return []
 
 
 def default_topology() -> Topology:
@@ -122,9 +125,15 @@ def replaces(current: Topology, offered: Topology) -> bool:
 
     A given stage config is never replaced. Otherwise a better-informed origin wins, and
     a newer reading of the same origin wins when its stages differ (a replica added).
+    Titles name every LLM stage's processes but no diffusion stage's (`vLLM-Omni::
+    DiffusionWorker` names none): they do not replace metrics that name a stage they miss.
     """
     if current.origin is TopologyOrigin.EXPLICIT:
         return False
+    if offered.origin is TopologyOrigin.TITLES and current.origin is TopologyOrigin.METRICS:
+        named = {stage.stage_id for stage in offered.stages}
+        if any(stage.stage_id not in named for stage in current.stages):
+            return False
     if offered.origin != current.origin:
         return offered.origin > current.origin
     return offered.stages != current.stages
@@ -176,6 +185,12 @@ def reported_topology(attributes: Mapping[str, object], source: str = "plugin") 
     for key, column in columns.items():
         if len(column) != len(ids):
             raise reader.fail(key, f"{len(column)} items for {len(ids)} stages")
+    # Added in a later plugin: a report without it is whole; a type not known is unsaid.
+    types = attributes.get(semconv.PIPELINE_STAGE_TYPES)
+    stage_types = reader.sequence(types, semconv.PIPELINE_STAGE_TYPES) if types is not None else []
+    if stage_types and len(stage_types) != len(ids):
+        problem = f"{len(stage_types)} items for {len(ids)} stages"
+        raise reader.fail(semconv.PIPELINE_STAGE_TYPES, problem)
     drafts: list[_Draft] = []
     for index, raw_id in enumerate(ids):
         where = f"stages[{index}]"
@@ -205,6 +220,9 @@ def reported_topology(attributes: Mapping[str, object], source: str = "plugin") 
                     columns[semconv.PIPELINE_STAGE_INPUTS][index], f"{where}.engine_input_source"
                 ),
                 final_output=final_output,
+                stage_type=next(
+                    (t for t in STAGE_TYPES if stage_types and stage_types[index] == t), ""
+                ),
             )
         )
     topology = reader.assemble(drafts, [], source, chain_by_default=False)
@@ -444,6 +462,7 @@ class _Reader:
                 final_output=draft.final_output
                 if draft.final_output is not None
                 else draft.stage_id not in downstream_ids,
+                stage_type=draft.stage_type,
             )
             for draft in sorted(drafts, key=lambda d: d.stage_id)
         )
@@ -462,3 +481,4 @@ class _Draft:
     memory: float | None
     inputs: tuple[int, ...]
     final_output: bool | None
+    stage_type: str = ""

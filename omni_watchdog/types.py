@@ -97,7 +97,8 @@ class ThreadActivity:
 
 @dataclass(frozen=True)
 class ChildActivity:
-    """A descendant of a stage process: its command name, state letter and CPU time."""
+    """A descendant of a stage process: its command name, state letter and CPU time, that
+    of its children it has reaped included (a compiler driver's passes end in turn)."""
 
     pid: int
     name: str
@@ -170,6 +171,35 @@ class StageRef:
 PIPELINE = StageRef(-1)
 
 
+class CanaryPlan(str, enum.Enum):
+    """Which canary request the server gets when one is due, if any.
+
+    TEXT: one text token (an LLM pipeline). A pipeline with a diffusion stage answers a
+    text-only request 400, and an image is work, not a probe: IMAGE is the cheapest image
+    (one denoising step, the smallest size) where the first stage denoises, IMAGE_CHAT the
+    pipeline's own image request where an LLM stage feeds it, and NONE while every stage
+    beats (their beats show them alive) or a stage is visibly denoising (a canary would
+    wait behind its image)."""
+
+    TEXT = "text"
+    IMAGE = "image"
+    IMAGE_CHAT = "image_chat"
+    NONE = "none"
+
+
+# vLLM-Omni 0.30's stage types: an LLM engine (its `LLM_AR` and `LLM_GENERATION` stages) or
+# a diffusion engine (`DIFFUSION`: an image, video or audio model).
+STAGE_TYPE_LLM = "llm"
+STAGE_TYPE_DIFFUSION = "diffusion"
+STAGE_TYPES = (STAGE_TYPE_LLM, STAGE_TYPE_DIFFUSION)
+# The title vLLM-Omni 0.30 gives every process that runs a diffusion model: a one-stage
+# server's API process (its engine runs inline), a multi-stage pipeline's diffusion stage
+# process, and the mp executor's workers. It names no stage.
+DIFFUSION_WORKER_TITLE = "vLLM-Omni::DiffusionWorker"
+# The title of every LLM stage's engine process, `...stage{S}_replica{R}_DP{n}` after it.
+LLM_STAGE_TITLE = "VLLM::StageEngineCoreProc_stage"
+
+
 @dataclass(frozen=True)
 class Stage:
     """A stage of the pipeline as the topology describes it."""
@@ -182,6 +212,8 @@ class Stage:
     upstream: tuple[int, ...] = ()
     downstream: tuple[int, ...] = ()
     final_output: bool = False
+    # What runs it, as vLLM-Omni 0.30 says (`STAGE_TYPES`); "" where nothing said.
+    stage_type: str = ""
 
     def refs(self) -> tuple[StageRef, ...]:
         return tuple(StageRef(self.stage_id, replica) for replica in range(self.replicas))
@@ -275,6 +307,16 @@ class ProcessInfo:
     def identity(self) -> ProcessIdentity:
         return ProcessIdentity(self.pid, self.create_time)
 
+    @property
+    def runs_stage_work(self) -> bool:
+        """Its silence is its stage's: a stage process, or the API server that runs a stage
+        itself (a one-stage vLLM-Omni diffusion server: the API server is the diffusion
+        worker). The API server of any other pipeline and its helpers have no work of a
+        stage."""
+        if self.role in (ProcessRole.STAGE, ProcessRole.ENGINE, ProcessRole.WORKER):
+            return True
+        return self.role is ProcessRole.API and self.stage is not None
+
 
 class ObservationKind(str, enum.Enum):
     """What an observation reports; see `Observation` for the fields each kind fills."""
@@ -294,6 +336,8 @@ class ObservationKind(str, enum.Enum):
     TOPOLOGY = "topology"
     LINK = "link"
     ACTIVITY = "activity"
+    DENOISE_STEP = "denoise_step"
+    DENOISE_DONE = "denoise_done"
 
 
 # PROGRESS `detail` of a stage whose counters move at every engine step (tokens, iterations).
@@ -324,6 +368,12 @@ class Observation:
       decides whether it replaces the current one.
     - ACTIVITY: `stage`, `activity` = what one of its processes was doing (read only while
       the stage is silent).
+    - DENOISE_STEP: `stage`, `request_id`, `step` of `steps` = the denoising step that just
+      started (1-based, `steps` 0 when unknown), `value` = seconds the step before it
+      took (0 for the first).
+    - DENOISE_DONE: `stage`, `request_id` = a request whose denoising the stage ended
+      (its pipeline call returned or raised), `value` = seconds its steps took on average
+      (0 when unknown).
     """
 
     kind: ObservationKind
@@ -340,6 +390,8 @@ class Observation:
     utilization: float | None = None
     topology: Topology | None = None
     activity: ProcessActivity | None = None
+    step: int = 0
+    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -368,6 +420,17 @@ class StageCause:
 
 
 @dataclass(frozen=True)
+class DenoisingRequest:
+    """A request in flight at a diffusion stage: the denoising step it is in, of how many,
+    and since when (monotonic)."""
+
+    request_id: str
+    step: int
+    steps: int
+    since: float
+
+
+@dataclass(frozen=True)
 class StageStatus:
     """The detector's current view of one stage replica."""
 
@@ -387,6 +450,13 @@ class StageStatus:
     host: str = ""
     # What the stage is doing while it is silent; None while it is not (or nothing read).
     cause: StageCause | None = None
+    # A diffusion stage's requests in flight with their denoising steps, and the seconds
+    # its recent steps took (the median); empty and None for a stage that does not denoise.
+    denoising: tuple[DenoisingRequest, ...] = ()
+    seconds_per_step: float | None = None
+    # Requests the stage failed (an error span) since the watchdog started: a request
+    # error, not a stage that stopped.
+    request_errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -603,7 +673,14 @@ class MaintenancePause:
 # What an operator may ask of the watchdog, and how a request can end: the label values
 # of `omni_watchdog_operator_actions_total`, every one present from start.
 OPERATOR_ACTIONS = ("remediate", "pause", "resume")
-ACTION_OUTCOMES = ("accepted", "refused", "bad_request", "unauthorized", "forbidden")
+ACTION_OUTCOMES = (
+    "accepted",
+    "refused",
+    "bad_request",
+    "unauthorized",
+    "forbidden",
+    "rate_limited",
+)
 
 
 @dataclass(frozen=True)
@@ -702,6 +779,8 @@ class SelfHealth:
     blind_seconds: float
     blind_spells: int
     set_aside: Mapping[str, int]
+    # Reads of incident bundles the API refused (503): too many in hand at once.
+    bundle_reads_refused: int = 0
 
 
 @dataclass(frozen=True)
@@ -796,6 +875,10 @@ class SpanSenders(Protocol):
 
     def maps(self, stage: StageRef) -> bool:
         """A live recorded process serves the stage replica (or no process table is in view)."""
+        ...
+
+    def live_pids(self) -> list[int]:
+        """The pids of the live recorded processes (none when no table is in view)."""
         ...
 
 

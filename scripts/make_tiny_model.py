@@ -5,6 +5,10 @@ tokenizers); it downloads nothing. The result is well under 1 MB and is enough f
 `vllm serve` to load, answer chat completions and export real metrics and spans.
 
     .venv-vllm/bin/python scripts/make_tiny_model.py OUTPUT_DIR
+
+With `--diffusion CLASS` it writes instead a diffusion model directory for vLLM-Omni: only
+a `model_index.json` naming CLASS, a pipeline a plugin registers whose weights are random
+in its own code (the vLLM-Omni test harness registers one).
 """
 
 from __future__ import annotations
@@ -95,12 +99,34 @@ def make_model(output: Path, seed: int = 0, architecture: str | None = None) -> 
     return output
 
 
+# The diffusers release the tiny diffusion model's index claims; vLLM-Omni reads only the
+# class name.
+DIFFUSERS_VERSION = "0.40.0"
+
+
+def make_diffusion_model(output: Path, class_name: str) -> Path:
+    """Write a diffusion model directory: `model_index.json` naming `class_name`, nothing
+    else."""
+    output.mkdir(parents=True, exist_ok=True)
+    index = {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION}
+    (output / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return output
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path, help="directory to write the model into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--architecture", help="model class name to write into the config")
+    parser.add_argument(
+        "--diffusion",
+        metavar="CLASS",
+        help="write a diffusion model directory naming this registered pipeline class instead",
+    )
     arguments = parser.parse_args()
+    if arguments.diffusion is not None:
+        print(make_diffusion_model(arguments.output, arguments.diffusion))
+        return
     print(make_model(arguments.output, arguments.seed, arguments.architecture))
 
 

@@ -2,7 +2,8 @@
 
 `make test` spreads whole files over parallel workers (pytest-xdist, `--dist loadfile`),
 handing them out in collection order (`--no-loadscope-reorder`), except the real
-vLLM-Omni files: those go to one worker together, one after another. Their servers start
+vLLM-Omni files: those go to one worker together, one after another (all but the
+diffusion servers' file, which the other worker takes first). Their servers start
 one at a time across the run (three stages, six processes, over a minute each on two
 busy cores), and two workers that both needed one took turns, each idle through the
 other's start; now one worker starts them while the other runs everything else. A
@@ -10,7 +11,7 @@ real-server file handed out last would run on alone long after the others are do
 those go first.
 
 A failed test's report carries the accounts of the servers and watchdogs it used
-(`explain.py`): CI's log alone then says why it failed.
+(`explain.py`): CI's log alone then says why it failed, and its last lines say it in brief.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 REAL_OMNI = "tests/real_omni/"
+# Its own unit beside them: one-stage diffusion servers start in seconds, not minutes, and
+# the other worker has room for them (the real vLLM-Omni unit is the run's longest).
+REAL_OMNI_DIFFUSION = REAL_OMNI + "test_omni_diffusion.py"
 SLOWEST_FIRST = (REAL_OMNI, "tests/real_vllm/")
 
 
@@ -35,11 +39,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 class FilesWithRealOmniTogether(LoadScopeScheduling):  # type: ignore[misc]
-    """`--dist loadfile`, the real vLLM-Omni files one unit of work."""
+    """`--dist loadfile`, the real vLLM-Omni files one unit of work (the diffusion file
+    apart)."""
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
-        return REAL_OMNI if path.startswith(REAL_OMNI) else path
+        return REAL_OMNI if path.startswith(REAL_OMNI) and path != REAL_OMNI_DIFFUSION else path
 
 
 def pytest_xdist_make_scheduler(
@@ -48,6 +53,32 @@ def pytest_xdist_make_scheduler(
     if config.getvalue("dist") != "loadfile":
         return None
     return FilesWithRealOmniTogether(config, log)
+
+
+# The briefs of this run's failures, gathered where the reports arrive (with xdist, the
+# controller) and printed last.
+_briefs: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not report.failed:
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else str(report.longrepr)
+    accounts = [
+        (title.removeprefix("account of "), text)
+        for title, text in report.sections
+        if title.startswith("account of ")
+    ]
+    _briefs.append(explain.brief(report.nodeid, report.when, message, accounts))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _briefs:
+        terminalreporter.section("failures in brief")
+        for told in _briefs:
+            terminalreporter.line(told)
 
 
 @pytest.hookimpl(wrapper=True)

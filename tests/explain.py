@@ -6,6 +6,10 @@ A fixture or helper that starts a server or a watchdog registers a witness here;
 in `tests/conftest.py` asks every witness of the test for its account when the test fails,
 and forgets the test's own witnesses once it has ended. A witness that cannot give its
 account says so instead: an explanation never hides the failure it explains.
+
+CI shows the head and the tail of a long log, and a second failure's report falls between:
+the run ends with a brief of each failure (its assertion's first lines, each witness's
+first line and its incidents), so that the tail alone says what each failed on.
 """
 
 from __future__ import annotations
@@ -61,6 +65,34 @@ def accounts() -> list[tuple[str, str]]:
 
 def test_ended() -> None:
     _of_this_test.clear()
+
+
+# What a brief keeps of a failure: its assertion's first lines and characters, and of each
+# witness's account the lines after its count of incidents.
+BRIEF_CRASH_LINES = 4
+BRIEF_CRASH_CHARS = 600
+BRIEF_INCIDENT_LINES = 4
+# Lines of an account a brief keeps wherever they are: what the receiver took and refused.
+BRIEF_KEPT = ("spans:",)
+
+
+def brief(nodeid: str, when: str, crash: str, sections: list[tuple[str, str]]) -> str:
+    """A failure in a few lines: where, its assertion, each witness's first line (a root
+    running or exited, a watchdog's health), its spans, and the incidents it counted."""
+    message = "\n".join(crash.splitlines()[:BRIEF_CRASH_LINES])[:BRIEF_CRASH_CHARS]
+    lines = [f"-- {nodeid} ({when}):", *(f"   {line}" for line in message.splitlines())]
+    for title, text in sections:
+        told = text.splitlines()
+        if not told:
+            continue
+        lines.append(f"   {title}: {told[0][:200]}")
+        lines += [f"     {line[:300]}" for line in told[1:] if line.startswith(BRIEF_KEPT)]
+        counted = next((i for i, line in enumerate(told) if line.endswith("incident(s)")), None)
+        if counted is not None:
+            lines += [
+                f"     {line[:300]}" for line in told[counted : counted + 1 + BRIEF_INCIDENT_LINES]
+            ]
+    return "\n".join(lines)
 
 
 def host_account() -> str:

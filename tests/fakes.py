@@ -320,6 +320,9 @@ class FakeSenders:
     def maps(self, stage: StageRef) -> bool:
         return self.mapped is None or stage in self.mapped
 
+    def live_pids(self) -> list[int]:
+        return sorted({pid for pid, _ in self.owned or ()})
+
 
 # --- a watchdog in the test's own process ---------------------------------------------------
 

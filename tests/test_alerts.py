@@ -44,6 +44,7 @@ ALERTS = (
     "OmniWatchdogStateWriteErrors",
     "OmniWatchdogLockConflict",
     "OmniWatchdogSpansRejected",
+    "OmniStageRequestErrors",
     "OmniStageMasterLinkLost",
 )
 
@@ -71,6 +72,9 @@ EXPORTER_FAMILIES = {
     "omni_watchdog_work_budget_seconds": "gauge",
     "omni_watchdog_stage_requests_in_flight": "gauge",
     "omni_watchdog_stage_requests_overdue": "gauge",
+    "omni_watchdog_stage_request_errors_total": "counter",
+    "omni_watchdog_stage_denoising_requests": "gauge",
+    "omni_watchdog_stage_denoise_step_seconds": "gauge",
     "omni_watchdog_stage_duration_seconds": "histogram",
     "omni_watchdog_stage_gpu_memory_bytes": "gauge",
     "omni_watchdog_spans_received_total": "counter",
@@ -99,6 +103,7 @@ EXPORTER_FAMILIES = {
     "omni_watchdog_state_write_errors_total": "counter",
     "omni_watchdog_target_lock_conflict": "gauge",
     "omni_watchdog_connections_closed_total": "counter",
+    "omni_watchdog_bundle_reads_refused_total": "counter",
 }
 # Series Prometheus itself writes for every scrape target.
 PROMETHEUS_SERIES = {"up"}

@@ -452,6 +452,26 @@ def test_bad_remote_stages_name_the_field(value: str, problem: str) -> None:
         load_config(environ={"OMNI_WATCHDOG_REMOTE_STAGES": value, "OMNI_WATCHDOG_OTLP_TOKEN": "t"})
 
 
+@pytest.mark.parametrize("variable", ["OTLP_TOKEN", "OPERATOR_TOKEN", "ADMIN_TOKEN"])
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (" ", "a token of only spaces"),
+        (" s3cret", "a token has spaces"),
+        ("s3cret ", "a token has spaces"),
+    ],
+    ids=["only a space", "leading", "trailing"],
+)
+def test_a_token_with_spaces_at_its_ends_is_refused_without_showing_it(
+    variable: str, value: str, problem: str
+) -> None:
+    """A token the config kept with its spaces matches no client's: every span or action
+    would be refused, silently."""
+    with pytest.raises(ConfigError, match=f"{variable.lower()}: {problem}") as raised:
+        load_config(environ={f"OMNI_WATCHDOG_{variable}": value})
+    assert "s3cret" not in str(raised.value)
+
+
 def test_a_headless_stage_s_watchdog_has_no_remote_stages_of_its_own() -> None:
     args = build_parser().parse_args(["run", "--headless", "--remote-stage", "1"])
     with pytest.raises(ConfigError, match="only the head's watchdog has remote stages"):

@@ -15,10 +15,10 @@ import re
 import signal
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from aiohttp import web
@@ -28,6 +28,7 @@ from omni_watchdog.oncall import (
     EXIT_OK,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
+    MAX_JSON_BYTES,
     TOKEN_VARIABLE,
     URL_VARIABLE,
     Console,
@@ -39,6 +40,7 @@ from omni_watchdog.oncall import (
 from omni_watchdog.types import StepName
 
 NOW = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC: the watchdog's clock as it answers
+T = TypeVar("T")
 TOKEN = "operator-test-token"
 OPEN_ID = "20251231T235950Z-0a1b2c"
 CLOSED_ID = "20251231T235000Z-9f8e7d"
@@ -444,29 +446,76 @@ def error(status: int, reason: str) -> web.Response:
     return web.json_response({"error": reason}, status=status)
 
 
+class LoopInAThread:
+    """Servers on free loopback ports, run by an event loop of their own in a thread (the
+    command under test runs its own loop); each is closed at the end."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._runners: list[web.AppRunner] = []
+        self._raw: list[asyncio.AbstractServer] = []
+
+    def app(self, app: web.Application) -> str:
+        """Serve `app`; its base URL."""
+        runner = web.AppRunner(app)
+        self._runners.append(runner)
+
+        async def start() -> str:
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            host, port = runner.addresses[0][:2]
+            return f"http://{host}:{port}"
+
+        return self._run(start())
+
+    def raw(self, answer: bytes) -> str:
+        """A server that answers every request with `answer` as it is, as no HTTP library
+        would let one; its base URL."""
+
+        async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+            writer.close()
+
+        async def start() -> str:
+            server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
+            self._raw.append(server)
+            host, port = server.sockets[0].getsockname()[:2]
+            return f"http://{host}:{port}"
+
+        return self._run(start())
+
+    def close(self) -> None:
+        for server in self._raw:
+            server.close()
+        for runner in self._runners:
+            self._run(runner.cleanup())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def _run(self, work: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout=10)
+
+
 @pytest.fixture
-def watchdog() -> Iterator[FakeWatchdog]:
+def served() -> Iterator[LoopInAThread]:
+    servers = LoopInAThread()
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture
+def watchdog(served: LoopInAThread) -> FakeWatchdog:
     """The fake API on a free loopback port, served from its own loop in a thread."""
     fake = FakeWatchdog()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = web.AppRunner(fake.app())
-
-    async def start() -> str:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
-
-    try:
-        fake.url = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
-        yield fake
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+    fake.url = served.app(fake.app())
+    return fake
 
 
 @dataclass
@@ -1142,3 +1191,121 @@ def test_status_says_what_a_silent_stage_is_doing(watchdog: FakeWatchdog) -> Non
     result = invoke(["status"], watchdog=watchdog, columns=200)
     table = result.lines[5:]
     assert cells(table[2])[3:6] == ["degraded", "12s", "compiling 42s: g++ pid 123 at 98% CPU"]
+
+
+def test_status_shows_diffusion_progress_and_request_errors_under_the_table(
+    watchdog: FakeWatchdog,
+) -> None:
+    dit = stage(1, "dit", "healthy", NOW - 60, [], [4301], 0, 0.2)
+    dit.update(
+        denoising=[
+            {"request_id": "img-7", "step": 37, "steps": 50, "step_seconds": 0.2},
+            {"request_id": "img-8", "step": 3, "steps": None, "step_seconds": 1.5},
+        ],
+        seconds_per_step=0.35,
+        request_errors=2,
+    )
+    watchdog.status["stages"] = [dit]
+    result = invoke(["status"], watchdog=watchdog)
+    assert result.code == EXIT_OK, result.err
+    assert result.lines[-4:] == [
+        "",
+        "stage 1.0 (dit) denoising img-7: step 37/50, 0.35s a step, 0s into this one",
+        "stage 1.0 (dit) denoising img-8: step 3/?, 0.35s a step, 1s into this one",
+        "stage 1.0 (dit) failed 2 request(s) (request errors, not acted on)",
+    ]
+
+
+# a server that is not the watchdog
+
+HOSTILE_STREAM_CHUNK = b"x" * 2**20
+
+
+async def _endless(request: web.Request) -> web.StreamResponse:
+    """Megabytes for as long as the client reads, and at most well past any bound."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await response.prepare(request)
+    for _ in range(MAX_JSON_BYTES // len(HOSTILE_STREAM_CHUNK) * 4):
+        await response.write(HOSTILE_STREAM_CHUNK)
+    return response
+
+
+def _answer(status: int, body: bytes, reason: str | None = None) -> Any:
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(
+            status=status, body=body, reason=reason, content_type="application/json"
+        )
+
+    return handler
+
+
+@pytest.fixture
+def hostile(served: LoopInAThread) -> Callable[[Any], str]:
+    """Serves one handler at every path, or raw bytes, on a free loopback port; its URL."""
+
+    def serve(handler: Callable[..., Any] | bytes) -> str:
+        if isinstance(handler, bytes):
+            return served.raw(handler)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        return served.app(app)
+
+    return serve
+
+
+@pytest.mark.parametrize(
+    ("handler", "said"),
+    [
+        (_endless, "an answer over 16 MiB, not read"),
+        (_answer(200, b"[" * 1500 + b"]" * 1500), "did not answer JSON"),
+        (_answer(200, b"[1, 2]"), "did not answer a JSON object"),
+        (
+            b"HTTP/1.1 502 Bad \x1b]0;owned\x07 \xe2\x80\xaegateway\r\nContent-Length: 0\r\n\r\n",
+            "HTTP 502",
+        ),
+    ],
+    ids=["endless body", "nested deep", "not an object", "escapes in its reason"],
+)
+def test_a_server_that_is_not_the_watchdog_gets_one_clean_line_and_a_failure(
+    hostile: Callable[[Any], str], handler: Any, said: str
+) -> None:
+    url = hostile(handler)
+    out, err = io.StringIO(), io.StringIO()
+    console = Console(
+        out=out,
+        err=err,
+        environ={},
+        stdout_is_terminal=True,
+        stdin_is_terminal=False,
+        ask=lambda prompt: "n",
+        columns=120,
+        wall=lambda: NOW,
+        sleep=asyncio.sleep,
+    )
+    code = run_command(parse(["status", "--watchdog", url]), console)
+    assert code == EXIT_FAILED, (out.getvalue(), err.getvalue())
+    message = err.getvalue()
+    assert len(message.splitlines()) == 1 and said in message, message
+    assert all(c.isprintable() for c in message.rstrip("\n")), message
+
+
+def test_fields_of_the_wrong_type_are_shown_unknown(hostile: Callable[[Any], str]) -> None:
+    """A watchdog of another version, or not one: every field it got wrong is a dash."""
+    status = {"stages": [1, {"stage_id": [], "pids": 7, "evidence": "x"}], "target": 5}
+    url = hostile(_answer(200, json.dumps({**status, "pause": [], "incident": {}}).encode()))
+    result = invoke(["status", "--watchdog", url])
+    assert result.code == EXIT_OK, result.err
+    assert result.lines[0].startswith("target    -  pid -  down"), result.lines
+
+
+def test_a_report_to_the_terminal_prints_no_escape(hostile: Callable[[Any], str]) -> None:
+    page = "<html>\x1b[2J\x1b]0;owned\x07<pre>\n  kept \u202eindent\n</pre></html>".encode()
+
+    async def report(_: web.Request) -> web.Response:
+        return web.Response(body=page, content_type="text/html")
+
+    url = hostile(report)
+    result = invoke(["report", CLOSED_ID, "--html", "-", "--watchdog", url])
+    assert result.code == EXIT_OK, result.err
+    assert not any(c in result.out for c in "\x1b\x07\u202e"), repr(result.out)
+    assert "\n  kept  indent\n" in result.out, repr(result.out)

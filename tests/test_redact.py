@@ -48,6 +48,20 @@ from omni_watchdog.semconv import GEN_AI_USAGE_PROMPT_TOKENS
             'Thread 4242 (idle): "MainThread"\n    select (selectors.py:468)\n',
         ),
         ("--api-key ***", "--api-key ***"),
+        # Forms an adversarial pass found left in the clear.
+        ('--authorization "Bearer abc" --model m', '--authorization "***" --model m'),
+        ("--authorization Bearer abc --model m", "--authorization *** --model m"),
+        ("--authorization=Bearer abc", "--authorization=***"),
+        ("--passwd hunter2", "--passwd ***"),
+        ("--auth abc --model m", "--auth *** --model m"),
+        ("--credentials c.json", "--credentials ***"),
+        ("--bearer abc", "--bearer ***"),
+        ("--cookie session=abc", "--cookie ***"),
+        ("--pat ghp_abc", "--pat ***"),
+        ("GITHUB_PAT=ghp_abc", "GITHUB_PAT=***"),
+        ("git clone https://me:pw123@git.example/x", "git clone https://me:***@git.example/x"),
+        ("REDIS_URL=redis://:s3@h:6379/0", "REDIS_URL=redis://:***@h:6379/0"),
+        ("OTEL_EXPORTER_OTLP_HEADERS=x-api-key=abc", "OTEL_EXPORTER_OTLP_HEADERS=x-api-key=***"),
     ],
 )
 def test_secrets_in_text_are_replaced(text: str, redacted: str) -> None:
@@ -68,6 +82,10 @@ def test_secrets_in_text_are_replaced(text: str, redacted: str) -> None:
         "HTTP 200\n{}",
         "PATH=/usr/bin MODEL=m",
         "    wait (threading.py:320)",
+        # Short secret names only as a whole part of a name.
+        "--author alice --path /models/m",
+        "authorization failed for this request",
+        "https://user@git.example/x http://h:8000/v1",
     ],
 )
 def test_what_is_no_secret_is_left_alone(text: str) -> None:
@@ -90,6 +108,21 @@ def test_what_is_no_secret_is_left_alone(text: str) -> None:
 )
 def test_secret_flags_in_argv_are_replaced(argv: list[str], redacted: list[str]) -> None:
     assert redact_argv(argv) == redacted
+
+
+def test_a_secret_flag_s_value_is_hidden_in_argv_whatever_its_form() -> None:
+    argv = ["vllm", "--authorization", "Bearer abc", "--auth", "x", "--pat", "y", "--path", "p"]
+    assert redact_argv(argv) == [
+        "vllm",
+        "--authorization",
+        "***",
+        "--auth",
+        "***",
+        "--pat",
+        "***",
+        "--path",
+        "p",
+    ]
 
 
 def test_secret_variables_of_an_environment_are_replaced() -> None:

@@ -193,6 +193,8 @@ def learned(origin: TopologyOrigin, *replicas: int) -> Topology:
     [
         (default_topology(), learned(TopologyOrigin.METRICS, 1, 1), True),
         (learned(TopologyOrigin.METRICS, 1, 1), learned(TopologyOrigin.TITLES, 1, 1), True),
+        # Titles of an LLM → DiT pipeline name the LLM stage; the DiT's title names none.
+        (learned(TopologyOrigin.METRICS, 1, 1), learned(TopologyOrigin.TITLES, 1), False),
         (learned(TopologyOrigin.TITLES, 1, 1), learned(TopologyOrigin.METRICS, 1, 2), False),
         (learned(TopologyOrigin.TITLES, 1), learned(TopologyOrigin.SERVER_CONFIG, 1), True),
         (learned(TopologyOrigin.SERVER_CONFIG, 1), learned(TopologyOrigin.PLUGIN, 1), True),

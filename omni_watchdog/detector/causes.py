@@ -79,6 +79,11 @@ LOAD_FRAMES = (
     "load_state_dict",
     "from_pretrained",
 )
+# Work that its frames name, and the cause it is.
+_WORK_FRAMES = (
+    (COMPILE_FRAMES, SilenceCause.COMPILING),
+    (LOAD_FRAMES, SilenceCause.LOADING),
+)
 DEVICE_FRAMES = (
     "synchronize",
     "torch/distributed/distributed_c10d",
@@ -245,19 +250,39 @@ def _own_finding(
     interval: float,
     sampled: Sequence[ProcessActivity],
 ) -> CauseFinding:
-    """What the process's own threads do: starved, busy (in which frames), or asleep."""
+    """What the process's own threads do: busy (in which frames), starved, or asleep.
+
+    Waiting for a CPU slows work down; it does not make it other work. A thread starved in
+    a compile's or a load's frames is that work, advancing as the host lets it; one busy in
+    frames that move computes. The host is the cause only of a silence that no work of the
+    process explains. (Read as starved, a compile generating its code in a worker, waiting
+    for a CPU longer than it ran, was judged stalled 30 s into its silence: the likeliest
+    reading of a real server shut down mid-compile in CI, beside another on two cores.)"""
     starved = _starved_thread(after.threads, earlier, interval)
+    starved_finding = None
     if starved is not None:
         thread, waited = starved
-        return CauseFinding(
-            SilenceCause.STARVED,
-            False,
-            f"pid {after.pid}: thread {thread.tid} waited {waited:.1f}s of {interval:.1f}s"
-            " for a CPU",
+        waiting = f"waited {waited:.1f}s of {interval:.1f}s for a CPU"
+        frames = _latest_frames(after, sampled, thread.tid)
+        for markers, cause in _WORK_FRAMES:
+            if _matches(frames, markers):
+                ran = (thread.cpu_seconds - _cpu(earlier.get(thread.tid))) / interval
+                where = _named(frames, markers)
+                return CauseFinding(
+                    cause, True, f"pid {after.pid} at {ran:.0%} CPU in {where}, {waiting}"
+                )
+        starved_finding = CauseFinding(
+            SilenceCause.STARVED, False, f"pid {after.pid}: thread {thread.tid} {waiting}"
         )
     busy = _busy(after.threads, earlier, interval)
     if busy:
-        return _busy_finding(after, busy, interval, sampled)
+        finding = _busy_finding(after, busy, interval, sampled)
+        # A thread that runs is judged by what it runs: spinning in one frame on a loaded
+        # host is still spinning. Starved tells only what no busy thread's frames tell.
+        if starved_finding is None or finding.cause is not SilenceCause.UNKNOWN:
+            return finding
+    if starved_finding is not None:
+        return starved_finding
     main = next((t for t in after.threads if t.tid == after.pid), None)
     frames = main.frames if main is not None else ()
     if _matches(frames, DEVICE_FRAMES):
@@ -295,10 +320,7 @@ def _busy_finding(
             f"pid {after.pid}: thread {thread.tid} at {share}, its stack not read",
         )
     stacks = [_frames_of(latest, t.tid) or () for t, _ in busy]
-    for markers, cause in (
-        (COMPILE_FRAMES, SilenceCause.COMPILING),
-        (LOAD_FRAMES, SilenceCause.LOADING),
-    ):
+    for markers, cause in _WORK_FRAMES:
         found = [frames for frames in stacks if _matches(frames, markers)]
         if found:
             frame = _named(found[0], markers)
@@ -340,6 +362,14 @@ def _busy_finding(
         True,
         f"pid {after.pid} at {share} in one native call, {len(window)} samples running: {where}",
     )
+
+
+def _latest_frames(
+    after: ProcessActivity, sampled: Sequence[ProcessActivity], tid: int
+) -> tuple[str, ...]:
+    """The thread's frames in the latest stack sample of this silence, if any."""
+    latest = after if after.stacks_read else (sampled[-1] if sampled else None)
+    return (_frames_of(latest, tid) or ()) if latest is not None else ()
 
 
 def _functions(frames: Sequence[str]) -> tuple[str, ...]:

@@ -53,8 +53,14 @@ from omni_watchdog.detector.starved import (
     starved_finding,
 )
 from omni_watchdog.types import (
+    DIFFUSION_WORKER_TITLE,
+    LLM_STAGE_TITLE,
     PIPELINE,
+    STAGE_TYPE_DIFFUSION,
+    STAGE_TYPE_LLM,
     STEP_COUNTERS,
+    CanaryPlan,
+    DenoisingRequest,
     DetectorReport,
     Evidence,
     EvidenceKind,
@@ -136,6 +142,19 @@ BEAT_GAPS_TRUSTED = 20
 # (detector/causes.py): enough at the shortest probe interval (50 ms), a bound whatever
 # the clock does.
 READINGS_KEPT = 64
+# A denoising step is late this long past its learned step time (p99 of the stage's recent
+# steps) at most, or `rhythm_multiplier` times it for short steps: a blocked step of a 3 s
+# image is judged ~6 s into it, one of a 60 s video frame 10 s late.
+STEP_SLACK = 10.0
+# Step times learned per diffusion stage: its latest, so a new image size is soon its own.
+STEPS_KEPT = 64
+# Requests in flight at one diffusion stage that are tracked; the oldest give way.
+MAX_DENOISING = 64
+# A stage one of whose processes waited for a CPU through this share of its silence is
+# starved, whatever a closer reading of its other processes found them doing.
+STARVED_SILENCE_SHARE = 0.5
+# Errored requests remembered per stage, so that one told by two spans counts once.
+ERRORED_KEPT = 256
 
 
 @dataclass
@@ -188,6 +207,12 @@ class _StageMemory:
     working_since: float | None = None
     # When its excused work last ended by itself (not stopped): see `_excused`.
     work_ended_at: float | None = None
+    # A diffusion stage's requests in flight, by id, at the step each last started; the
+    # seconds its steps took; the requests it failed (counted, and the latest ids).
+    denoising: dict[str, DenoisingRequest] = field(default_factory=dict)
+    step_seconds: RollingQuantile = field(default_factory=lambda: RollingQuantile(STEPS_KEPT))
+    request_errors: int = 0
+    errored: deque[str] = field(default_factory=lambda: deque(maxlen=ERRORED_KEPT))
 
 
 class Detector:
@@ -237,6 +262,8 @@ class Detector:
         self._canary_last_failed: float | None = None
         self._canary_detail = ""
         self._root: ProcessInfo | None = None
+        # A process of the target runs a diffusion model (its title says so).
+        self._diffusion_seen = False
         self._root_exited_at: float | None = None
         self._exit_reported = False
         self._unhealthy_signs: list[tuple[float, str]] = []
@@ -317,6 +344,67 @@ class Detector:
 
     def _on_request_ended(self, obs: Observation) -> None:
         self._pending.abandon(obs.request_id)
+        for memory in self._stages.values():
+            memory.denoising.pop(obs.request_id, None)
+
+    def _on_denoise_done(self, obs: Observation) -> None:
+        memory = self._memory(obs.stage)
+        if memory is not None:
+            memory.denoising.pop(obs.request_id, None)
+            if obs.value > 0:
+                memory.step_seconds.add(obs.value)
+
+    def canary_plan(self, now: float) -> CanaryPlan:
+        """The canary this server gets when one is due (see `CanaryPlan`).
+
+        Asked by the canary probe when one is due. Where the answer is that the stages'
+        beats speak for the server, a canary failure from before lapses: no canary will
+        come to clear it, and it is no longer what tells this server's state."""
+        if any(memory.denoising for memory in self._stages.values()):
+            return CanaryPlan.NONE
+        types = {stage.stage_id: stage.stage_type for stage in self._topology.stages}
+        if not self._diffusion_seen and STAGE_TYPE_DIFFUSION not in types.values():
+            return CanaryPlan.TEXT
+        if all(
+            memory.last_heartbeat is not None
+            and now - memory.last_heartbeat <= self._heartbeat_timeout(memory)
+            for memory in self._stages.values()
+        ):
+            self._canary_failed_at = self._canary_last_failed = None
+            self._canary_detail = ""
+            return CanaryPlan.NONE
+        entry = [types.get(stage_id, "") for stage_id in self._topology.entry_stages()]
+        titles = [p.info.title for m in self._stages.values() for p in m.processes.values()]
+        if STAGE_TYPE_LLM in entry or any(LLM_STAGE_TITLE in title for title in titles):
+            return CanaryPlan.IMAGE_CHAT
+        return CanaryPlan.IMAGE
+
+    def _denoises(self, ref: StageRef, memory: _StageMemory) -> bool:
+        """A diffusion stage: the topology says so, or it told denoising steps."""
+        if len(memory.step_seconds) or memory.denoising:
+            return True
+        return any(
+            stage.stage_id == ref.stage_id and stage.stage_type == STAGE_TYPE_DIFFUSION
+            for stage in self._topology.stages
+        )
+
+    def _on_denoise_step(self, obs: Observation) -> None:
+        """A diffusion stage started a denoising step: it works, and how fast."""
+        memory = self._memory(obs.stage)
+        if memory is None:
+            return
+        memory.progress_moved_at = obs.time
+        if obs.value > 0:
+            memory.step_seconds.add(obs.value)
+        self._last_progress = obs.time
+        known = memory.denoising.get(obs.request_id)
+        if known is not None and known.step > obs.step:
+            return  # a late span of an earlier step
+        if known is None and len(memory.denoising) >= MAX_DENOISING:
+            memory.denoising.pop(next(iter(memory.denoising)))
+        memory.denoising[obs.request_id] = DenoisingRequest(
+            obs.request_id, obs.step, obs.steps, obs.time
+        )
 
     def _on_stage_span(self, obs: Observation) -> None:
         failed = obs.outcome is SpanOutcome.ERROR
@@ -325,8 +413,14 @@ class Detector:
         memory = self._memory(obs.stage)
         if memory is None:
             return
+        memory.denoising.pop(obs.request_id, None)
         if failed:
             memory.last_error = obs.detail
+            if not obs.request_id or obs.request_id not in memory.errored:
+                # A failed request, not a stopped stage: vLLM-Omni answers it 500 and serves
+                # the next (a raise inside one diffusion request, measured).
+                memory.request_errors += 1
+                memory.errored.append(obs.request_id)
             self._sign(obs.time, f"stage {obs.stage} request failed: {obs.detail}")
         else:
             memory.last_span_ok = obs.time
@@ -410,6 +504,8 @@ class Detector:
         if info is None:
             return
         exited = obs.outcome is ProcessStatus.EXITED
+        if DIFFUSION_WORKER_TITLE in info.title:
+            self._diffusion_seen = True
         if info.role is ProcessRole.API and not info.orphaned:
             self._root = info
             # An unreaped server is as gone as a reaped one: it holds nothing and serves nothing.
@@ -484,6 +580,8 @@ class Detector:
         ObservationKind.REQUEST_ABANDONED: _on_request_ended,
         ObservationKind.REQUEST_FINISHED: _on_request_ended,
         ObservationKind.STAGE_SPAN: _on_stage_span,
+        ObservationKind.DENOISE_STEP: _on_denoise_step,
+        ObservationKind.DENOISE_DONE: _on_denoise_done,
         ObservationKind.PROGRESS: _on_progress,
         ObservationKind.LOAD: _on_load,
         ObservationKind.HEALTH: _on_health,
@@ -676,6 +774,9 @@ class Detector:
                     memory.progress_changed_at,
                     remote=remote,
                     cause=cause,
+                    denoising=tuple(memory.denoising.values()),
+                    seconds_per_step=memory.step_seconds.quantile(0.5),
+                    request_errors=memory.request_errors,
                 )
             )
         verdicts.extend(self._head_verdict(statuses, now))
@@ -745,7 +846,8 @@ class Detector:
         elif (
             self._pipeline_state is not StageState.STALLED
             and any(
-                self._contended(memory) and self._starved(memory) is not None for memory in memories
+                self._contended(memory, now) and self._starved(memory) is not None
+                for memory in memories
             )
             and not self._stood(
                 evidence, now, max(longest_wait(m.processes.values()) for m in memories)
@@ -784,7 +886,7 @@ class Detector:
         # return to stalled is a new verdict, a new plan, an alert's `for:` started again.
         judged = memory.state is StageState.STALLED
         waited = longest_wait(memory.processes.values())
-        contended = self._contended(memory)
+        contended = self._contended(memory, now)
         busy = contended and (
             waited >= WAIT_WORTH_SAYING or busiest_runner(memory.processes.values()) is not None
         )
@@ -850,15 +952,25 @@ class Detector:
             if e.kind not in _CONSEQUENCES and e.kind not in _NEVER_ALONE
         )
 
-    def _contended(self, memory: _StageMemory) -> bool:
+    def _contended(self, memory: _StageMemory, now: float) -> bool:
         """The CPU-contention rules may speak for the stage: no closer look has explained
-        its silence. A stage whose processes were read asleep on a lock, stopped, spinning
-        or waiting on the device is silent on its own, whatever its side threads waited
-        for a CPU meanwhile; in a benchmark on two cores, a blocked forward's threads
-        waited 0.7 s for one through 13 s (beside the watchdog's own stack samples), and
-        the contention rules held its verdict back by 9 s."""
+        its silence, or one of its processes waited for a CPU through most of it.
+
+        A stage whose processes were read asleep on a lock, stopped, spinning or waiting
+        on the device is silent on its own, whatever its side threads waited for a CPU
+        meanwhile: in a benchmark on two cores, a blocked forward's threads waited 0.7 s
+        for one through 13 s (beside the watchdog's own stack samples), and the contention
+        rules held its verdict back by 9 s. But an engine asleep on its worker's answer
+        while that worker waits for a CPU is the host's doing: in a soak of two pipelines
+        on two cores, a text stage's worker waited 6.3 s of its 9 s silence, its engine was
+        read asleep in poll, and a healthy server was shut down."""
         cause = memory.cause
-        return cause is None or cause.cause in (SilenceCause.STARVED, SilenceCause.UNKNOWN)
+        if cause is None or cause.cause in (SilenceCause.STARVED, SilenceCause.UNKNOWN):
+            return True
+        beat = memory.last_heartbeat
+        if beat is None or now <= beat:
+            return False
+        return longest_wait(memory.processes.values()) >= STARVED_SILENCE_SHARE * (now - beat)
 
     def _starved(self, memory: _StageMemory) -> CauseFinding | None:
         """The `starved` cause of a stage whose live process waited for a CPU in its latest
@@ -872,16 +984,28 @@ class Detector:
         longest healthy gaps (their p99), at most `heartbeat_timeout_max`. A loop that beats
         every second keeps the configured timeout, and its hangs are judged as fast."""
         config = self._config
+        timeout = config.heartbeat_timeout
         p99 = memory.beat_gaps.quantile(0.99)
-        if p99 is None or len(memory.beat_gaps) < BEAT_GAPS_TRUSTED:
-            return config.heartbeat_timeout
-        stretched = min(config.rhythm_multiplier * p99, config.heartbeat_timeout_max)
-        return max(config.heartbeat_timeout, stretched)
+        if p99 is not None and len(memory.beat_gaps) >= BEAT_GAPS_TRUSTED:
+            stretched = min(config.rhythm_multiplier * p99, config.heartbeat_timeout_max)
+            timeout = max(timeout, stretched)
+        return max(timeout, self._step_allowance(memory) or 0.0)
+
+    def _step_allowance(self, memory: _StageMemory) -> float | None:
+        """A diffusion stage beats once a denoising step while it works: while a request is
+        in its steps, its silence is measured against the steps it learned to take."""
+        step = memory.step_seconds.quantile(0.99) if memory.denoising else None
+        if step is None:
+            return None
+        return min(self._config.rhythm_multiplier * step, step + STEP_SLACK)
 
     def _rhythm_note(self, memory: _StageMemory) -> str:
         timeout = self._heartbeat_timeout(memory)
         if timeout <= self._config.heartbeat_timeout:
             return ""
+        if timeout == self._step_allowance(memory):
+            step = memory.step_seconds.quantile(0.99) or 0.0
+            return f" (its denoising steps take up to {step:.1f}s, so {timeout:.1f}s allowed)"
         return (
             f" (its rhythm: healthy gaps up to {memory.beat_gaps.quantile(0.99) or 0.0:.1f}s,"
             f" so {timeout:.1f}s allowed)"
@@ -924,7 +1048,7 @@ class Detector:
         unread = [
             pid
             for pid, process in memory.processes.items()
-            if pid not in fresh and process.exited_at is None and process.info.role in _STAGE_ROLES
+            if pid not in fresh and process.exited_at is None and process.info.runs_stage_work
         ]
         findings = list(fresh.values())
         if findings and unread:
@@ -1042,6 +1166,10 @@ class Detector:
         seen runnable is working or waiting for a CPU: a stage starved by its neighbours
         is not a stuck one (its heartbeats stop too), so the flat time counts from then."""
         if not memory.counts_steps or memory.progress_seen_at is None:
+            return None
+        if self._denoises(ref, memory):
+            # Its counters move once an image (one engine step holds the whole denoising
+            # loop): its denoising steps and beats tell its work, not they.
             return None
         if now - memory.progress_seen_at > self._config.stale_after:
             return None

@@ -24,6 +24,38 @@ from omni_watchdog.types import Clock, Incident, IncidentBundles, OperatorAction
 # /healthz fails when the last evaluation is older than this (20 evaluation intervals):
 # judging has stopped, and the watchdog could not see a hang.
 EVALUATION_STALE_AFTER = 5.0
+# Reads of a bundle (a report, stacks, an incident's files) that run at once, each in a
+# thread whose Python work holds the GIL (16 reports at once kept the watchdog blind
+# 11.5 s), and those in hand at all, running or waiting; past that a read is a 503.
+READS_AT_ONCE = 2
+READS_WAITING = 16
+RETRY_READ_AFTER_SECONDS = 1
+
+
+class BundleReads:
+    """Runs the API's reads of incident bundles off the loop, a few at a time."""
+
+    def __init__(self, at_once: int = READS_AT_ONCE, waiting: int = READS_WAITING) -> None:
+        self._slots = asyncio.Semaphore(at_once)
+        self._waiting = 0
+        self._max_waiting = waiting
+        self.refused = 0
+
+    async def run(self, read: Callable[[], Any]) -> Any:
+        """`read()` in a thread once a slot is free; a 503 if too many wait already."""
+        if self._waiting >= self._max_waiting:
+            self.refused += 1
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"error": "too many incident reads at once, retry later"}),
+                content_type="application/json",
+                headers={"Retry-After": str(RETRY_READ_AFTER_SECONDS)},
+            )
+        self._waiting += 1
+        try:
+            async with self._slots:
+                return await asyncio.to_thread(read)
+        finally:
+            self._waiting -= 1
 
 
 class JsonApi:
@@ -36,13 +68,16 @@ class JsonApi:
         metrics: MetricsExposition,
         bundles: IncidentBundles,
         actions_of: Callable[[str], Sequence[OperatorAction]] = lambda _: (),
+        reads: BundleReads | None = None,
     ) -> None:
-        """`actions_of(incident_id)` lists the operator's journaled actions on it."""
+        """`actions_of(incident_id)` lists the operator's journaled actions on it; `reads`
+        runs the reads of bundles (one of its own by default)."""
         self._clock = clock
         self._state = state
         self._metrics = metrics
         self._bundles = bundles
         self._actions_of = actions_of
+        self.reads = reads or BundleReads()
 
     def export(self, state: WatchdogState) -> None:
         self._state = state
@@ -78,19 +113,19 @@ class JsonApi:
     async def _incident(self, request: web.Request) -> web.Response:
         found = self._known(request)
         body = to_jsonable(found)
-        body["files"] = await asyncio.to_thread(self._bundles.names, found.incident_id)
+        body["files"] = await self.reads.run(lambda: self._bundles.names(found.incident_id))
         return web.json_response(body)
 
     async def _stacks(self, request: web.Request) -> web.Response:
         found = self._known(request)
-        files = await asyncio.to_thread(self._bundles.read, found.incident_id)
+        files = await self.reads.run(lambda: self._bundles.read(found.incident_id))
         return web.json_response({"stacks": stacks_of(files)})
 
     async def _report(self, request: web.Request) -> web.Response:
         found = self._known(request)
         # Files and journal are read, and the page made, off the loop: a large bundle must
         # not make the watchdog blind.
-        page = await asyncio.to_thread(self._render, found)
+        page = await self.reads.run(lambda: self._render(found))
         return web.Response(text=page, content_type="text/html")
 
     def _render(self, incident: Incident) -> str:

@@ -150,6 +150,22 @@ FAMILIES = (
         "gauge",
         "Admitted requests waiting for this stage's span past their deadline.",
     ),
+    (
+        "stage_request_errors_total",
+        "counter",
+        "Requests the stage replica failed (an error span): a failed request, which the"
+        " server answers with an error and goes on, not a stopped stage.",
+    ),
+    (
+        "stage_denoising_requests",
+        "gauge",
+        "Requests in flight at a diffusion stage replica, in their denoising steps.",
+    ),
+    (
+        "stage_denoise_step_seconds",
+        "gauge",
+        "Median duration of a diffusion stage replica's recent denoising steps.",
+    ),
     ("stage_duration_seconds", "histogram", "Durations of the stage's request spans."),
     (
         "stage_gpu_memory_bytes",
@@ -262,6 +278,12 @@ FAMILIES = (
         "counter",
         "Connections a listener closed: over its connection cap, without a whole request"
         " head in time, or after a malformed one.",
+    ),
+    (
+        "bundle_reads_refused_total",
+        "counter",
+        "Reads of incident bundles (reports, stacks, files) the API refused with 503: too"
+        " many at once.",
     ),
 )
 FAMILY_NAMES = tuple(PREFIX + name for name, _, _ in FAMILIES)
@@ -589,6 +611,30 @@ class MetricsExposition:
             for s, lines in stages.items()
         )
 
+        out.append(_HEADERS["stage_request_errors_total"])
+        for ref in refs:
+            status = statuses.get(ref)
+            errors = status.request_errors if status is not None else 0
+            out.append(f"{PREFIX}stage_request_errors_total{{{replicas[ref].labels}}} {errors}")
+
+        # Only stages that denoise (their steps told) have these series.
+        denoising = [
+            (replicas[ref].labels, status)
+            for ref in refs
+            if (status := statuses.get(ref)) is not None and status.seconds_per_step is not None
+        ]
+        out.append(_HEADERS["stage_denoising_requests"])
+        out += (
+            f"{PREFIX}stage_denoising_requests{{{labels}}} {len(status.denoising)}"
+            for labels, status in denoising
+        )
+        out.append(_HEADERS["stage_denoise_step_seconds"])
+        out += (
+            f"{PREFIX}stage_denoise_step_seconds{{{labels}}}"
+            f" {number(status.seconds_per_step or 0.0)}"
+            for labels, status in denoising
+        )
+
         out.append(_HEADERS["stage_duration_seconds"])
         durations = state.counters.stage_durations
         for stage_id, lines in stages.items():
@@ -741,6 +787,10 @@ class MetricsExposition:
                 f" {closed.get(reason, 0)}"
                 for reason in CLOSE_REASONS
             )
+        out += (
+            _HEADERS["bundle_reads_refused_total"],
+            f"{PREFIX}bundle_reads_refused_total {health.bundle_reads_refused}",
+        )
 
 
 def _remote(status: StageStatus | None) -> bool:

@@ -19,6 +19,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from omni_watchdog.semconv import (
+    DENOISE_STEP_COUNT,
+    DENOISE_STEP_INDEX,
+    DENOISE_STEP_SECONDS,
+    DENOISE_STEP_SPAN,
+    DIFFUSION_REQUEST_SPAN,
+)
 from omni_watchdog.types import PIPELINE, StageRef
 
 # Outcome and state names, by the colour family that carries them; the text is always shown
@@ -117,6 +124,7 @@ _SECTIONS = (
     ("evidence", "Evidence"),
     ("steps", "Ladder steps"),
     ("gpu", "GPU memory"),
+    ("denoising", "Denoising"),
     ("stacks", "Stacks"),
     ("processes", "Processes"),
     ("actions", "Operator actions"),
@@ -142,6 +150,7 @@ def render_incident_report(
         "evidence": _evidence,
         "steps": _steps,
         "gpu": _gpu,
+        "denoising": _denoising,
         "stacks": _stacks,
         "processes": _processes,
         "actions": _actions,
@@ -497,8 +506,13 @@ def _stage_names(changes: list[_StateChange], files: Mapping[str, object]) -> di
 
 
 def _e(value: Any) -> str:
-    """Escaped for text and for quoted attribute values alike."""
-    return html.escape(_text(value), quote=True)
+    """Escaped for text and for quoted attribute values alike; characters that do not print
+    (an escape sequence or a bidi override in the target's command line, saved as is)
+    shown as U+FFFD, line breaks kept for the stacks."""
+    text = _text(value)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() or c == "\n" else "\ufffd" for c in text)
+    return html.escape(text, quote=True)
 
 
 def _iso(time: float) -> str:
@@ -1173,6 +1187,55 @@ def _gpu_snapshot(report: _Report, reading: Mapping[str, Any]) -> str:
 
 
 _STACK_NAME = re.compile(r"^stacks/(?P<name>[^/]+)\.txt$")
+
+
+def _denoising(report: _Report) -> str:
+    """Each request a diffusion stage was denoising when the bundle was made, at the step
+    its latest step span told, and the stage's pace: from the spans the capture saved."""
+    loaded = _load_json(report.files, "spans.json")
+    if not loaded.ok:
+        return _problem(loaded.problem)
+    rows = []
+    for stage, recent in sorted(_mapping(_mapping(loaded.value).get("stages")).items()):
+        latest: dict[str, tuple[float, int, int]] = {}
+        paces: list[float] = []
+        ended: set[str] = set()
+        for span in _items(recent):
+            record = _mapping(span)
+            attributes = _mapping(record.get("attributes"))
+            request = _text(record.get("request_id"))
+            if record.get("name") == DIFFUSION_REQUEST_SPAN:
+                ended.add(request)
+                continue
+            if record.get("name") != DENOISE_STEP_SPAN:
+                continue
+            step = _number(attributes.get(DENOISE_STEP_INDEX))
+            steps = _number(attributes.get(DENOISE_STEP_COUNT))
+            at = _number(record.get("start_unix_nano"))
+            pace = _number(attributes.get(DENOISE_STEP_SECONDS))
+            if pace is not None and pace > 0:
+                paces.append(pace)
+            if step is None or at is None:
+                continue
+            if request not in latest or latest[request][0] < at:
+                latest[request] = (at, int(step), int(steps or 0))
+        pace_text = _seconds(sorted(paces)[len(paces) // 2]) if paces else "unknown"
+        for request, (at, step, steps) in sorted(latest.items()):
+            if request in ended:
+                continue
+            rows.append(
+                [
+                    _e(_stage_text(stage) or _text(stage)),
+                    _e(request),
+                    _num_cell(f"{step}/{steps or '?'}"),
+                    _num_cell(pace_text),
+                    _time_html(at / 1e9, report.reference()),
+                ]
+            )
+    if not rows:
+        return "<p>none</p>\n"
+    headers = ("stage", "request", "step", "a step (median)", "step started")
+    return _table(headers, rows)
 
 
 def _stacks(report: _Report) -> str:

@@ -96,6 +96,18 @@ def status_of(state: WatchdogState, now: float) -> dict[str, Any]:
                 "last_progress": wall(status.last_progress),
                 "in_flight": requests.in_flight if requests else 0,
                 "overdue": requests.overdue if requests else 0,
+                "request_errors": status.request_errors,
+                # A diffusion stage's requests in their denoising steps, and its pace.
+                "denoising": [
+                    {
+                        "request_id": request.request_id,
+                        "step": request.step,
+                        "steps": request.steps or None,
+                        "step_seconds": now - request.since,
+                    }
+                    for request in status.denoising
+                ],
+                "seconds_per_step": status.seconds_per_step,
             }
         )
     target = state.target

@@ -8,7 +8,6 @@ the server's PID namespace has no other lever.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
+from omni_watchdog.bearer import bearer_matches
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +65,7 @@ class ShutdownAuthority:
             return AdminAnswer(
                 403, {"error": f"shutdown disabled: {ADMIN_TOKEN_ENV} is not set"}, {}
             )
-        scheme, _, presented = (authorization or "").partition(" ")
-        try:
-            presented_bytes = presented.strip().encode()
-        except UnicodeEncodeError:
-            # aiohttp keeps undecodable header bytes as lone surrogates: no token has them.
-            presented_bytes = b""
-        # Constant time, so the token cannot be guessed a byte at a time from answer delays.
-        matches = hmac.compare_digest(presented_bytes, self._token)
-        if scheme.lower() != "bearer" or not matches:
+        if not bearer_matches(authorization, self._token):
             return AdminAnswer(
                 401, {"error": "missing or wrong bearer token"}, {"WWW-Authenticate": "Bearer"}
             )

@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import sys
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
@@ -52,13 +53,15 @@ class HookContext:
         getpid: Callable[[], int] = os.getpid,
         monotonic: Callable[[], float] = time.monotonic,
         wall_ns: Callable[[], int] = time.time_ns,
+        start_thread: Callable[[str, Callable[[], None]], None] | None = None,
     ) -> None:
         self._telemetry_factory = telemetry_factory
         self.identify = identify
         self.environ = environ
-        self._getpid = getpid
+        self.getpid = getpid
         self.monotonic = monotonic
         self.wall_ns = wall_ns
+        self.start_thread = start_thread or start_daemon_thread
         self._telemetry: dict[tuple[int, ProcessIdentity], StageTelemetry] = {}
         self._heartbeat_tasks: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, asyncio.Task[None]
@@ -69,7 +72,7 @@ class HookContext:
 
     def telemetry(self, identity: ProcessIdentity | None = None) -> StageTelemetry:
         """This process's telemetry for `identity` (default: what the process is), made once."""
-        key = (self._getpid(), identity or self.identify())
+        key = (self.getpid(), identity or self.identify())
         if key not in self._telemetry:
             self._telemetry[key] = self._telemetry_factory(key[1])
         return self._telemetry[key]
@@ -141,16 +144,21 @@ def beat_while_waiting(
                     item = original_get(True, beat.interval)
                     break
                 except queue.Empty:
-                    _quietly(beat.tick)
+                    quietly(beat.tick)
         if on_item is not None:
-            _quietly(on_item, item)
+            quietly(on_item, item)
         return item
 
     setattr(get, WRAPPED_MARK, True)
     work_queue.get = get
 
 
-def _quietly(function: Callable[..., None], *args: Any) -> None:
+def start_daemon_thread(name: str, target: Callable[[], None]) -> None:
+    """Run `target` in a daemon thread: the process may exit whatever it does."""
+    threading.Thread(target=target, name=name, daemon=True).start()
+
+
+def quietly(function: Callable[..., None], *args: Any) -> None:
     """Run instrumentation code; whatever it raises stays out of the server's code path."""
     try:
         function(*args)
@@ -216,7 +224,7 @@ def install_engine_core_loop(context: HookContext) -> bool:
                 except Exception:
                     logger.debug("omni-watchdog: engine loop not instrumented", exc_info=True)
             if beat is not None:
-                _quietly(beat.tick)
+                quietly(beat.tick)
             return original(self, *args, **kwargs)
 
         return _process_input_queue
@@ -248,7 +256,7 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
 
     def make_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
         async def _handle_add_request(self: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
-            _quietly(admit, msg)
+            quietly(admit, msg)
             return await original(self, msg, *args, **kwargs)
 
         return _handle_add_request
@@ -263,7 +271,7 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
         async def _handle_processed_outputs(
             self: Any, stage_id: int, replica_id: int, outputs: list[Any], *args: Any
         ) -> Any:
-            _quietly(record_outputs, self, stage_id, replica_id, outputs)
+            quietly(record_outputs, self, stage_id, replica_id, outputs)
             return await original(self, stage_id, replica_id, outputs, *args)
 
         return _handle_processed_outputs
@@ -292,7 +300,7 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
         async def _cleanup_request_ids(
             self: Any, request_ids: Any, *args: Any, **kwargs: Any
         ) -> Any:
-            _quietly(end, request_ids, bool(kwargs.get("abort")))
+            quietly(end, request_ids, bool(kwargs.get("abort")))
             return await original(self, request_ids, *args, **kwargs)
 
         return _cleanup_request_ids
@@ -308,7 +316,7 @@ def install_omni030_orchestrator(context: HookContext) -> bool:
     def make_run(original: Callable[..., Any]) -> Callable[..., Any]:
         async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             context.ensure_loop_heartbeat(context.telemetry(orchestrator))
-            _quietly(report_topology, self)
+            quietly(report_topology, self)
             return await original(self, *args, **kwargs)
 
         return run
@@ -347,8 +355,9 @@ def pipeline_stages(orchestrator: Any, known: dict[int, Stage]) -> tuple[Stage, 
     stage, indexed by stage id; `num_replicas` counts its replica slots, evicted ones (left
     as holes) included; `stage_client` is the first live replica's client, None when none
     is live (all evicted, or on another host), which carries the stage's `model_stage`,
-    `engine_input_source` and `final_output`. What a live client said is kept in `known`,
-    so the report does not forget a stage's name and inputs once its replicas are gone.
+    `engine_input_source`, `final_output` and `stage_type` ("llm" or "diffusion"). What a
+    live client said is kept in `known`, so the report does not forget a stage's name and
+    inputs once its replicas are gone.
     """
     stages: list[Stage] = []
     for stage_id, pool in enumerate(orchestrator.stage_pools):
@@ -362,6 +371,7 @@ def pipeline_stages(orchestrator: Any, known: dict[int, Stage]) -> tuple[Stage, 
                 name,
                 upstream=tuple(int(s) for s in getattr(client, "engine_input_source", ()) or ()),
                 final_output=bool(getattr(client, "final_output", False)),
+                stage_type=str(getattr(client, "stage_type", None) or ""),
             )
         seen = known.get(stage_id, Stage(stage_id, _UNNAMED_STAGE.format(stage_id)))
         stages.append(
@@ -371,6 +381,7 @@ def pipeline_stages(orchestrator: Any, known: dict[int, Stage]) -> tuple[Stage, 
                 replicas=replicas,
                 upstream=seen.upstream,
                 final_output=seen.final_output,
+                stage_type=seen.stage_type,
             )
         )
     return tuple(stages)
@@ -408,7 +419,7 @@ def instrument_omni011_stage(context: HookContext, omni_stage: Any, stage_id: in
 
     def put(item: Any, *args: Any, **kwargs: Any) -> None:
         original_put(item, *args, **kwargs)
-        _quietly(record, item)
+        quietly(record, item)
 
     setattr(put, WRAPPED_MARK, True)
     out_queue.put = put
@@ -430,7 +441,7 @@ def install_omni011_stage_worker(context: HookContext, process: Any) -> bool:
         async def _stage_worker_async(
             omni_stage: Any, model: Any, stage_payload: Any, *args: Any, **kwargs: Any
         ) -> Any:
-            _quietly(instrument_omni011_stage, context, omni_stage, int(stage_payload["stage_id"]))
+            quietly(instrument_omni011_stage, context, omni_stage, int(stage_payload["stage_id"]))
             return await original(omni_stage, model, stage_payload, *args, **kwargs)
 
         return _stage_worker_async
@@ -439,7 +450,7 @@ def install_omni011_stage_worker(context: HookContext, process: Any) -> bool:
     target = getattr(process, "_target", None)
     arguments: tuple[Any, ...] = tuple(getattr(process, "_args", ()))
     if getattr(target, "__name__", "") == "_stage_worker_async_entry" and len(arguments) >= 3:
-        _quietly(instrument_omni011_stage, context, arguments[0], int(arguments[2]["stage_id"]))
+        quietly(instrument_omni011_stage, context, arguments[0], int(arguments[2]["stage_id"]))
     return hooked
 
 
@@ -465,7 +476,7 @@ def install_omni011_api(context: HookContext, *, admits: bool = True) -> bool:
         async def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
             found = kwargs.get("request_id", args[1] if len(args) > 1 else None)
             request_id = found if admits else None
-            _quietly(admit, self, request_id)
+            quietly(admit, self, request_id)
             outputs = original(self, *args, **kwargs)
             completed = False
             try:
@@ -474,7 +485,7 @@ def install_omni011_api(context: HookContext, *, admits: bool = True) -> bool:
                 completed = True
             finally:
                 if not completed:
-                    _quietly(abandon, request_id)
+                    quietly(abandon, request_id)
                 await outputs.aclose()
 
         return generate
@@ -521,7 +532,7 @@ def install_build_app_route(add_route: Callable[[Any], None]) -> bool:
     def make_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def build_app(*args: Any, **kwargs: Any) -> Any:
             app = original(*args, **kwargs)
-            _quietly(add_route, app)
+            quietly(add_route, app)
             return app
 
         return build_app

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-from omni_watchdog.instrument import hooks
+from omni_watchdog.instrument import diffusion, hooks
 from omni_watchdog.instrument.admin import (
     ADMIN_SHUTDOWN_PATH,
     ShutdownAuthority,
@@ -28,6 +28,7 @@ from omni_watchdog.instrument.admin import (
 )
 from omni_watchdog.instrument.hooks import HookContext, ProcessIdentity
 from omni_watchdog.instrument.telemetry import StageTelemetry
+from omni_watchdog.types import DIFFUSION_WORKER_TITLE
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +53,29 @@ def identify_process(title: str, process: Any, environ: Mapping[str, str]) -> Pr
     if stage is not None:
         replica = stage.group(2) or environ.get(REPLICA_ENV) or "0"
         return ProcessIdentity("stage", int(stage.group(1)), int(replica))
+    target = getattr(getattr(process, "_target", None), "__name__", "")
+    arguments: tuple[Any, ...] = tuple(getattr(process, "_args", ()))
+    if target == "run_diffusion_proc":
+        # vLLM-Omni 0.30's diffusion stage subprocess, started with its stage and replica.
+        keywords: Mapping[str, Any] = getattr(process, "_kwargs", {})
+        stage_id = keywords.get("omni_stage_id")
+        if stage_id is None:
+            stage_id = getattr(keywords.get("od_config"), "stage_id", 0)
+        return ProcessIdentity(
+            "stage", int(stage_id or 0), int(keywords.get("omni_replica_id") or 0)
+        )
+    if target == "worker_main" and len(arguments) >= 2:
+        # The mp diffusion executor's `DiffusionWorker-N`, given (rank, od_config, ...).
+        return ProcessIdentity("worker", int(getattr(arguments[1], "stage_id", 0) or 0), 0)
     if "EngineCore" in title:
         # Plain vLLM is stage 0; under a 0.11 stage worker the worker names the stage.
         return ProcessIdentity("engine", int(environ.get(hooks.STAGE_ID_ENV, "0")), 0)
-    if "Worker" in title:
+    if "Worker" in title and DIFFUSION_WORKER_TITLE not in title:
         return ProcessIdentity("worker", int(environ.get(hooks.STAGE_ID_ENV, "0")), 0)
-    target = getattr(process, "_target", None)
-    arguments: tuple[Any, ...] = tuple(getattr(process, "_args", ()))
-    if getattr(target, "__name__", "") == "_stage_worker_async_entry" and len(arguments) >= 3:
+    if target == "_stage_worker_async_entry" and len(arguments) >= 3:
         return ProcessIdentity("stage", int(arguments[2]["stage_id"]), 0)
+    # Also a one-stage diffusion server's API process, which titles itself a DiffusionWorker
+    # once its inline engine starts.
     return ProcessIdentity("api")
 
 
@@ -114,7 +129,24 @@ class Plugin:
         # In the API server too, because EngineCore children forked from it inherit the patch.
         if identity.kind in ("api", "engine", "stage"):
             candidates["engine_core_loop"] = lambda: hooks.install_engine_core_loop(self.context)
-        if identity.kind == "stage" and STAGE_TITLE.search(title) is None:
+        if _may_run_diffusion(identity, title) and _importable("vllm_omni.diffusion"):
+            # The API server runs the engine of a one-stage pipeline itself; each hook acts
+            # only where its code runs.
+            candidates["diffusion_engine_loop"] = lambda: diffusion.install_diffusion_engine_loop(
+                self.context
+            )
+            candidates["diffusion_runner"] = lambda: diffusion.install_diffusion_runner(
+                self.context
+            )
+            candidates["diffusion_worker_loop"] = lambda: diffusion.install_diffusion_worker_loop(
+                self.context
+            )
+        if (
+            identity.kind == "stage"
+            and STAGE_TITLE.search(title) is None
+            and getattr(getattr(self._current_process(), "_target", None), "__name__", "")
+            != "run_diffusion_proc"
+        ):
             candidates["omni011_stage_worker"] = lambda: hooks.install_omni011_stage_worker(
                 self.context, self._current_process()
             )
@@ -148,6 +180,14 @@ class Plugin:
             ", ".join(self.installed) or "none",
         )
         return self.installed
+
+
+def _may_run_diffusion(identity: ProcessIdentity, title: str) -> bool:
+    """Not an autoregressive stage's EngineCore or worker: those never denoise, and need
+    not import the diffusion modules."""
+    if identity.kind == "engine" or STAGE_TITLE.search(title) is not None:
+        return False
+    return identity.kind != "worker" or DIFFUSION_WORKER_TITLE in title or "Worker" not in title
 
 
 def _importable(module_name: str) -> bool:

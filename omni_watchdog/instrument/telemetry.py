@@ -36,6 +36,14 @@ from opentelemetry.util.types import AttributeValue
 from omni_watchdog import __version__, pipeline_report, process_start
 from omni_watchdog.instrument.export import WatchdogSpanExporter
 from omni_watchdog.semconv import (
+    DENOISE_STEP_COUNT,
+    DENOISE_STEP_INDEX,
+    DENOISE_STEP_SECONDS,
+    DENOISE_STEP_SPAN,
+    DIFFUSION_DENOISE_MS,
+    DIFFUSION_POSTPROCESS_MS,
+    DIFFUSION_PREPROCESS_MS,
+    DIFFUSION_REQUEST_SPAN,
     EXCEPTION_ESCAPED,
     EXCEPTION_EVENT,
     EXCEPTION_MESSAGE,
@@ -542,6 +550,52 @@ class StageTelemetry:
             self.emit(STAGE_REQUEST_SPAN, attributes, start_time_ns, end_time_ns, failure=failure)
         except Exception:
             logger.debug("could not record a stage span", exc_info=True)
+
+    def denoise_step(
+        self, request_id: str, step: int, steps: int, previous_seconds: float | None
+    ) -> None:
+        """One `omni.diffusion.step` span now: the loop running this request's denoising is
+        at step `step` of `steps`; the step before took `previous_seconds`."""
+        if self._processor is None:
+            return
+        try:
+            attributes = self.span_attributes(request_id)
+            attributes[DENOISE_STEP_INDEX] = step
+            attributes[DENOISE_STEP_COUNT] = steps
+            if previous_seconds is not None:
+                attributes[DENOISE_STEP_SECONDS] = previous_seconds
+            now = time.time_ns()
+            self.emit(DENOISE_STEP_SPAN, attributes, now, now, root=True)
+        except Exception:
+            logger.debug("could not emit a denoising step", exc_info=True)
+
+    def diffusion_request(
+        self,
+        request_id: str,
+        start_ns: int,
+        end_ns: int,
+        phases_ms: tuple[float, float, float],
+        steps: tuple[int, int],
+        error: BaseException | None = None,
+    ) -> None:
+        """One `omni.diffusion.request` span: a diffusion stage's work on one request, its
+        phases (preprocess, denoise, postprocess, in ms) and the steps it ran of its count."""
+        if self._processor is None:
+            return
+        try:
+            attributes = self.span_attributes(request_id)
+            attributes[DIFFUSION_PREPROCESS_MS] = phases_ms[0]
+            attributes[DIFFUSION_DENOISE_MS] = phases_ms[1]
+            attributes[DIFFUSION_POSTPROCESS_MS] = phases_ms[2]
+            attributes[DENOISE_STEP_INDEX], attributes[DENOISE_STEP_COUNT] = steps
+            failure = None
+            if error is not None:
+                failure = (f"{type(error).__name__}: {error}", _exception_event(error, end_ns))
+            self.emit(
+                DIFFUSION_REQUEST_SPAN, attributes, start_ns, end_ns, root=True, failure=failure
+            )
+        except Exception:
+            logger.debug("could not record a diffusion request", exc_info=True)
 
     def heartbeat(self) -> None:
         """One `omni.stage.loop` span now: the loop that calls this is alive."""

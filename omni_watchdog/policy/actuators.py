@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from omni_watchdog import process_start
+from omni_watchdog.http_body import read_at_most
 from omni_watchdog.types import ProcessIdentity, ProcessTable, StepOutcome
 
 
@@ -124,7 +125,9 @@ class Actuators:
             async with self._session.request(
                 method, url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
             ) as response:
-                body = (await response.text())[:200]
+                # The first 200 bytes say what the endpoint answered; no more is read.
+                head, _ = await read_at_most(response, 200)
+                body = head.decode("utf-8", "replace")
                 if 200 <= response.status < 300:
                     return AdminAnswer(StepOutcome.OK, f"{response.status} {body}".strip())
                 return AdminAnswer(StepOutcome.REFUSED, f"{response.status} {body}".strip())

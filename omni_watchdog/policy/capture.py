@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from omni_watchdog.http_body import read_at_most
 from omni_watchdog.policy.actuators import Actuators
 from omni_watchdog.policy.incidents import BundleWriter
 from omni_watchdog.policy.ladder import TargetSnapshot
@@ -20,6 +21,9 @@ from omni_watchdog.types import Clock, Incident, ProcessInfo, StepName, StepOutc
 # A copy of py-spy that carries CAP_SYS_PTRACE as a file capability (the container image
 # ships one), for reading processes of another user or under Yama's ptrace_scope 1.
 PTRACE_PY_SPY = "py-spy-ptrace"
+# The most of one of the target's pages kept in a bundle (its /metrics, /health): what a
+# post-mortem needs is at the top, and a server's answer must not fill the state disk.
+MAX_CAPTURED_BODY = 2 * 2**20
 _CAP_SYS_PTRACE = 19
 
 
@@ -123,7 +127,10 @@ class Capturer:
             async with self._session.get(
                 url, timeout=aiohttp.ClientTimeout(total=min(self._timeout, 2.0))
             ) as response:
-                text = await response.text()
+                body, more = await read_at_most(response, MAX_CAPTURED_BODY)
+                text = body.decode("utf-8", "replace")
+                if more:
+                    text += f"\n[cut at {MAX_CAPTURED_BODY // 2**20} MiB: the server sent more]\n"
                 self._bundles.write_text(bundle, name, f"HTTP {response.status}\n{text}")
                 return str(response.status)
         except asyncio.TimeoutError:

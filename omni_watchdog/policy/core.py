@@ -43,6 +43,7 @@ from omni_watchdog.types import (
     Mode,
     ProcessIdentity,
     ProcessReadings,
+    ProcessStatus,
     StageRef,
     StageState,
     StepName,
@@ -173,6 +174,9 @@ class Policy:
                 climb=self._current.get_name(),
                 patience=patience,
             )
+        # What was recorded is on disk before the next watchdog replays it.
+        if not await asyncio.to_thread(self._journal.close, patience):
+            log_event(logger, "journal_not_flushed", logging.ERROR, patience=patience)
         self._lock.release()
 
     def _hold_attached_lock(self) -> None:
@@ -300,10 +304,13 @@ class Policy:
         watchdog's mode: an operator's explicit request, approving the plan of
         `incident_id` when given. An incident that acts on nothing (observe, dry-run),
         running meanwhile, is cut short and closed first. Refused (`ActionRefused`) while
-        a ladder acts, without a server, for an incident about another server, or without
-        the target lock."""
+        a ladder acts (an incident held by a pause does not), without a server, for an
+        incident about another server, or without the target lock."""
         running = self._incidents.get(self.open_incident_id() or "") if self.busy else None
-        if self._claimed_by is not None or (running and running.mode is Mode.ENFORCE):
+        # An incident held by a maintenance pause acts on nothing until the pause ends: the
+        # operator's ladder is not held, so it takes over from that one too.
+        acting = running is not None and running.mode is Mode.ENFORCE and not _held(running)
+        if self._claimed_by is not None or acting:
             current = self._claimed_by or self.open_incident_id()
             raise ActionRefused(409, f"a ladder is running now (incident {current})")
         approved = None
@@ -311,7 +318,8 @@ class Policy:
             approved = self._incidents.get(incident_id)
             if approved is None:
                 raise ActionRefused(404, f"no incident {incident_id}")
-        if target.root is None:
+        if target.root is None or all(p.status is ProcessStatus.EXITED for p in target.processes):
+            # Gone, its processes still recorded: a ladder would only close as `crashed`.
             raise ActionRefused(409, "no server is attached: nothing to act on")
         if approved is not None and self._roots.get(approved.incident_id) != target.root:
             raise ActionRefused(
@@ -364,8 +372,9 @@ class Policy:
         return incident
 
     async def _cut_short(self, incident_id: str, by: str) -> None:
-        """End the running climb of `incident_id`, which acts on nothing, for the
-        operator's incident `by`; no automatic incident opens meanwhile."""
+        """End the running climb of `incident_id`, which acts on nothing (observe, dry-run,
+        or held by a pause), for the operator's incident `by`; no automatic incident opens
+        meanwhile."""
         assert self._current is not None
         self._claimed_by = by
         try:
@@ -558,3 +567,8 @@ class Policy:
 
     def _wall_of(self, monotonic_time: float) -> float:
         return self._clock.wall() - (self._clock.monotonic() - monotonic_time)
+
+
+def _held(incident: Incident) -> bool:
+    """Held by a maintenance pause now: it waits before its first acting step."""
+    return "held" in incident.timeline and "unheld" not in incident.timeline

@@ -17,7 +17,10 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import stat
+import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -142,6 +145,11 @@ def incident_from_json(data: Mapping[str, Any]) -> Incident:
 # Replay reads at most this much of the journal's end: the open incident, if any, is the
 # last one written, and an old journal never grows the watchdog's start-up.
 MAX_JOURNAL_READ = 64 * 2**20
+# The operator's latest actions kept in memory for the reports.
+MAX_ACTIONS_KEPT = 4096
+# Journal lines that may wait for the disk; past them a line is dropped and counted as a
+# failed write, as on a full disk (an incident makes a handful, an operator's action one).
+MAX_PENDING_LINES = 4096
 
 
 def private_directory(path: Path) -> None:
@@ -200,6 +208,45 @@ def read_journal_tail(path: Path, limit: int = MAX_JOURNAL_READ) -> bytes:
         return handle.read(limit).partition(b"\n")[2]
 
 
+class SerialWriter:
+    """Runs writes in order on a thread of its own: an fsync on a busy disk can take
+    seconds, and the loop that judges the server must never wait for one. At most
+    `max_pending` writes wait; `submit` refuses more."""
+
+    def __init__(self, max_pending: int = MAX_PENDING_LINES) -> None:
+        # None: the thread's end, once what came before it is written.
+        self._pending: queue.Queue[Callable[[], None] | None] = queue.Queue(max_pending)
+        self._thread = threading.Thread(target=self._run, name="omni-watchdog-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, write: Callable[[], None]) -> bool:
+        """Queue `write` after every write submitted before it; False if too many wait."""
+        try:
+            self._pending.put_nowait(write)
+        except queue.Full:
+            return False
+        return True
+
+    def close(self, timeout: float) -> bool:
+        """Write what waits and end the thread; whether it ended within `timeout` s."""
+        try:
+            self._pending.put(None, timeout=timeout)
+        except queue.Full:
+            return False
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            write = self._pending.get()
+            if write is None:
+                return
+            try:
+                write()
+            except Exception:  # a write reports its own OSError; this is a bug, not the disk
+                logger.exception("journal write failed")
+
+
 class StateWriteErrors:
     """Failed writes to the state directory, counted for the exporter and logged once each.
 
@@ -254,11 +301,18 @@ class IncidentJournal:
         path: Path,
         errors: StateWriteErrors,
         append: Callable[[Path, bytes], None] = append_private,
+        writer: SerialWriter | None = None,
     ) -> None:
+        """`writer`: where lines are written, in order, off the caller's thread (None: at
+        once, on it)."""
         self._path = path
         self._errors = errors
         self._append = append
+        self._writer = writer
         self._torn = False
+        # The operator's actions, read from the journal once and kept since: a report
+        # lists them, and a reader must never make the watchdog parse its journal again.
+        self._actions: deque[OperatorAction] | None = None
         try:
             private_directory(path.parent)
         except OSError as error:
@@ -284,6 +338,19 @@ class IncidentJournal:
         self._append_line(line)
 
     def _append_line(self, line: str) -> None:
+        if self._writer is None:
+            self._write_line(line)
+        elif not self._writer.submit(lambda: self._write_line(line)):
+            error = OSError(errno.EAGAIN, "too many journal lines wait for the disk")
+            self._errors.failed("journal", self._path, error)
+
+    def close(self, timeout: float) -> bool:
+        """Write every line recorded so far (True if within `timeout` s); later lines are
+        written at once, on the caller's thread."""
+        writer, self._writer = self._writer, None
+        return writer is None or writer.close(timeout)
+
+    def _write_line(self, line: str) -> None:
         # After a failed append the file may end mid-line: a fresh line keeps this one whole.
         data = ("\n" if self._torn else "") + line + "\n"
         try:
@@ -297,19 +364,24 @@ class IncidentJournal:
 
     def record_action(self, action: OperatorAction) -> None:
         """One operator action, on a line of its own beside the incidents."""
+        self._journaled_actions().append(action)
         self._append_line(json.dumps({"action": redact_json(to_jsonable(action))}))
 
     def actions(self, incident_id: str | None = None) -> list[OperatorAction]:
-        """The journaled operator actions, oldest first; of one incident when given."""
-        found = []
-        for data in self._lines():
-            try:
-                action = _action_from_json(data["action"])
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-            if incident_id is None or action.incident_id == incident_id:
-                found.append(action)
-        return found
+        """The operator's actions, oldest first (the latest `MAX_ACTIONS_KEPT`); of one
+        incident when given."""
+        kept = list(self._journaled_actions())
+        return [a for a in kept if incident_id is None or a.incident_id == incident_id]
+
+    def _journaled_actions(self) -> deque[OperatorAction]:
+        if self._actions is None:
+            self._actions = deque(maxlen=MAX_ACTIONS_KEPT)
+            for data in self._lines():
+                try:
+                    self._actions.append(_action_from_json(data["action"]))
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    continue
+        return self._actions
 
     def _lines(self) -> Iterator[Any]:
         try:

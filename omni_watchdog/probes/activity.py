@@ -23,7 +23,6 @@ from omni_watchdog.types import (
     ObservationKind,
     ProcessActivity,
     ProcessInfo,
-    ProcessRole,
     ProcessStatus,
     StageRef,
     ThreadActivity,
@@ -37,7 +36,7 @@ MAX_CHILDREN_READ = 64
 # load or a device wait, which sit near the top of the stack.
 MAX_FRAMES_KEPT = 48
 # Fields of /proc/<pid>/stat after the command name: state 0, ppid 1, utime 11, stime 12.
-_STATE, _PPID, _UTIME, _STIME = 0, 1, 11, 12
+_STATE, _PPID, _UTIME, _STIME, _CUTIME, _CSTIME = 0, 1, 11, 12, 13, 14
 
 # Stage processes read per round, and how often each one's stacks are sampled while its
 # stage is silent, each sample bounded in time: py-spy reads a process's memory without
@@ -45,8 +44,6 @@ _STATE, _PPID, _UTIME, _STIME = 0, 1, 11, 12
 MAX_PROCESSES_READ = 16
 STACK_EVERY = 1.0
 STACK_TIMEOUT = 2.0
-# The roles whose silence is a stage's: the API server and helpers have none of their own.
-_STAGE_ROLES = (ProcessRole.STAGE, ProcessRole.ENGINE, ProcessRole.WORKER)
 
 StackRunner = Callable[[list[str], float], Awaitable[tuple[int | None, str]]]
 
@@ -133,12 +130,12 @@ class ActivityProbe:
             self._sampled_at.clear()
             return []
         live = self._live()
-        stage_processes = frozenset(info.pid for info in live if info.role in _STAGE_ROLES)
+        stage_processes = frozenset(info.pid for info in live if info.runs_stage_work)
         readable = [
             info
             for info in live
             if info.stage in silent
-            and info.role in _STAGE_ROLES
+            and info.runs_stage_work
             and info.status not in (ProcessStatus.ZOMBIE, ProcessStatus.EXITED)
         ]
         chosen = readable[:MAX_PROCESSES_READ]
@@ -150,8 +147,15 @@ class ActivityProbe:
         now = self._clock.monotonic()
 
         def read_all() -> list[ProcessActivity | None]:
+            # Each reading is timed when it is read, not when the round began: on a loaded
+            # host the thread that reads may wait seconds for a CPU, and a thread's CPU
+            # waits were then set against too short an interval (measured: "waited 7.3s
+            # of 2.6s for a CPU").
             table = read_process_table(self._proc)
-            return [read_activity(i.pid, now, self._proc, table, stage_processes) for i in chosen]
+            return [
+                read_activity(i.pid, self._clock.monotonic(), self._proc, table, stage_processes)
+                for i in chosen
+            ]
 
         readings = await asyncio.to_thread(read_all)
         due = [
@@ -275,7 +279,9 @@ class ProcessTableReading:
                 for child, command, fields in sorted(self._by_parent.get(parent, ())):
                     if child in apart:
                         continue
-                    ticks = int(fields[_UTIME]) + int(fields[_STIME])
+                    # With what its reaped children used: a g++ driver gains no CPU of
+                    # its own, and cc1plus, done between two readings, is gone by the next.
+                    ticks = sum(int(fields[i]) for i in (_UTIME, _STIME, _CUTIME, _CSTIME))
                     seconds = ticks / process_start.CLOCK_TICKS
                     found.append(ChildActivity(child, command, fields[_STATE], seconds))
                     below.append(child)
@@ -315,7 +321,7 @@ def _stat_with_name(directory: Path) -> tuple[str, list[str]] | None:
     if opening < 0 or closing < opening:
         return None
     fields = stat[closing + 2 :].decode(errors="replace").split()
-    if len(fields) <= _STIME:
+    if len(fields) <= _CSTIME:
         return None
     return stat[opening + 1 : closing].decode(errors="replace"), fields
 

@@ -2,7 +2,10 @@
 
 `/health` and the gauges both look fine while a stopped engine serves nothing (measured on
 the real vLLM), so only a request that has to finish shows such a hang. It is sent only
-after `canary_interval` without organic progress, so it costs nothing under load.
+after `canary_interval` without organic progress, so it costs nothing under load. Which
+request it is follows the pipeline (`CanaryPlan`): one text token for an LLM pipeline; for
+one with a diffusion stage, none while every stage beats or one is denoising, else the
+cheapest image it makes.
 """
 
 from __future__ import annotations
@@ -15,9 +18,24 @@ import aiohttp
 
 from omni_watchdog.config import ProbesConfig
 from omni_watchdog.probes.health import FRESH_CONNECTION, call_outcome
-from omni_watchdog.types import Clock, HealthOutcome, Observation, ObservationKind, ProbeError
+from omni_watchdog.types import (
+    CanaryPlan,
+    Clock,
+    HealthOutcome,
+    Observation,
+    ObservationKind,
+    ProbeError,
+)
 
 ERROR_BODY_CHARS = 200
+# Answers that refuse the request itself; a timeout (408) or an overloaded server (429)
+# is the server's state, and counts.
+REFUSED_REQUEST = frozenset(range(400, 500)) - {408, 429}
+# Where a one-stage diffusion server takes an image request, and the size its canary asks:
+# small, and a multiple of 16, which DiT pipelines ask of a size (a VAE's x8 and patches
+# of 2). A model that refuses it needs `canary_body` and `canary_path`.
+IMAGES_PATH = "/v1/images/generations"
+CANARY_IMAGE_SIZE = "64x64"
 
 
 class CanaryProbe:
@@ -32,18 +50,22 @@ class CanaryProbe:
         config: ProbesConfig,
         clock: Clock,
         last_progress: Callable[[], float | None],
+        plan: Callable[[float], CanaryPlan] = lambda now: CanaryPlan.TEXT,
     ) -> None:
+        """`plan`: the canary the server gets now, if any (`Detector.canary_plan`)."""
         self._session = session
         self._base_url = target_url.rstrip("/")
         self._config = config
         self._timeout = aiohttp.ClientTimeout(total=config.canary_deadline)
         self._clock = clock
         self._last_progress = last_progress
+        self._plan = plan
         self._last_sent: float | None = None
         self._model: str | None = None
 
     def due(self) -> bool:
-        """True when nothing moved for `canary_interval` and no canary went out in that time."""
+        """True when nothing moved for `canary_interval` and no canary went out in that
+        time (whether one goes out is the plan's)."""
         now = self._clock.monotonic()
         interval = self._config.canary_interval
         last_progress = self._last_progress()
@@ -54,18 +76,29 @@ class CanaryProbe:
     async def collect(self) -> Sequence[Observation]:
         if not self.due():
             return []
-        body = await self._body()
+        plan = self._plan(self._clock.monotonic())
+        if plan is CanaryPlan.NONE:
+            return []
+        path, body = await self._request(plan)
         started = self._clock.monotonic()
         self._last_sent = started
         outcome, status, reason = await call_outcome(
             self._session.post(
-                self._base_url + self._config.canary_path,
+                self._base_url + path,
                 json=body,
                 timeout=self._timeout,
                 headers=FRESH_CONNECTION,
             )
         )
         finished = self._clock.monotonic()
+        if outcome is HealthOutcome.UNHEALTHY and status in REFUSED_REQUEST:
+            # The server answered, and said the request was wrong for it (an image model
+            # asked for text): the canary's fault, not the server's. Reported as the
+            # probe's failure, never as evidence against the server.
+            raise ProbeError(
+                f"{path}: the server refused the canary request, {status}:"
+                f" {reason[:ERROR_BODY_CHARS]} (set probes.canary_body and probes.canary_path)"
+            )
         if outcome is HealthOutcome.UNHEALTHY:
             detail = f"{status}: {reason[:ERROR_BODY_CHARS]}"
         else:
@@ -80,12 +113,33 @@ class CanaryProbe:
             )
         ]
 
-    async def _body(self) -> dict[str, Any]:
+    async def _request(self, plan: CanaryPlan) -> tuple[str, dict[str, Any]]:
+        """The path and body of the canary of `plan`; a configured body wins."""
         if self._config.canary_body:
-            return dict(self._config.canary_body)
-        return {
-            "model": await self._served_model(),
-            "messages": [{"role": "user", "content": "ping"}],
+            return self._config.canary_path, dict(self._config.canary_body)
+        model = await self._served_model()
+        if plan is CanaryPlan.IMAGE:
+            # One denoising step of the smallest image: the diffusion stage's whole path,
+            # a fraction of one real request's work.
+            return IMAGES_PATH, {
+                "model": model,
+                "prompt": "ping",
+                "n": 1,
+                "size": CANARY_IMAGE_SIZE,
+                "num_inference_steps": 1,
+            }
+        messages = [{"role": "user", "content": "ping"}]
+        if plan is CanaryPlan.IMAGE_CHAT:
+            # vLLM-Omni 0.30 takes an image request of an LLM → DiT pipeline only at chat
+            # completions, with no output modality named; size and steps are its own.
+            return self._config.canary_path, {
+                "model": model,
+                "messages": messages,
+                "modalities": [],
+            }
+        return self._config.canary_path, {
+            "model": model,
+            "messages": messages,
             "max_tokens": 1,
             "temperature": 0,
             # vLLM-Omni routes a text-only request to the text stage only and checks the

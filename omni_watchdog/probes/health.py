@@ -9,11 +9,15 @@ from contextlib import AbstractAsyncContextManager
 import aiohttp
 
 from omni_watchdog.config import ProbesConfig
+from omni_watchdog.http_body import read_at_most
 from omni_watchdog.types import Clock, HealthOutcome, Observation, ObservationKind
 
 # A new connection per call: a pooled one to a server that died fails as "disconnected",
 # where a fresh one says what matters: refused (nothing listens) or timeout (hung).
 FRESH_CONNECTION = {"Connection": "close"}
+# The most of an answer read (/health, the canary's): the status says how the call went,
+# an error body's first lines why; the rest is left unread.
+MAX_ANSWER_READ = 64 * 1024
 
 
 async def call_outcome(
@@ -22,11 +26,10 @@ async def call_outcome(
     """(outcome, status, error body or reason) of one HTTP call; never raises for the network."""
     try:
         async with request as response:
+            body, _ = await read_at_most(response, MAX_ANSWER_READ)
             if 200 <= response.status < 300:
-                await response.read()
                 return HealthOutcome.OK, response.status, ""
-            body = await response.text(errors="replace")
-            return HealthOutcome.UNHEALTHY, response.status, body
+            return HealthOutcome.UNHEALTHY, response.status, body.decode("utf-8", "replace")
     except asyncio.TimeoutError:
         return HealthOutcome.TIMEOUT, None, "no answer in time"
     except aiohttp.ClientConnectorError as error:

@@ -5,7 +5,9 @@ A vLLM-Omni 0.30 stage started with `--headless --omni-master-address A
 orphaned: vLLM-Omni never ends it and never registers it again, so nothing will send it
 work, and it holds its GPUs until someone ends it. The link is up while the master's port
 accepts a connection and a process of the stage's tree holds an established connection to
-the master's host (the stage is still registered there).
+the master's host (the stage is still registered there). A master's name that stops
+resolving is not its end: its last addresses stand in, and the stage's own connections
+decide; one that never resolved leaves the link unjudged (the probe's error).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 from omni_watchdog.types import (
@@ -22,6 +24,7 @@ from omni_watchdog.types import (
     MasterLink,
     Observation,
     ObservationKind,
+    ProbeError,
     ProcessInfo,
     ProcessTable,
 )
@@ -64,16 +67,22 @@ class MasterLinkProbe:
         root: Callable[[], ProcessInfo | None],
         processes: Callable[[], Sequence[ProcessInfo]],
         timeout: float,
+        resolve: Callable[[str, int], Awaitable[set[str]]] | None = None,
     ) -> None:
         """`root()` is the stage server's recorded root process, `processes()` its live
-        recorded tree; `timeout` bounds the connection attempt."""
+        recorded tree; `timeout` bounds the connection attempt; `resolve(name, port)` gives
+        the master's addresses (the system's resolver by default)."""
         self._psutil = process_table
         self._clock = clock
         self._root = root
         self._processes = processes
         self._timeout = timeout
+        self._resolve = resolve or _addresses_of
         self.master: tuple[str, int] | None = None
         self._last: MasterLink | None = None
+        # The master's addresses as last resolved: a name that stops resolving says
+        # nothing of the master, whose connections with the stage the kernel still shows.
+        self._resolved: tuple[str, set[str]] | None = None
 
     async def collect(self) -> Sequence[Observation]:
         root = self._root()
@@ -84,34 +93,54 @@ class MasterLinkProbe:
             self.master = None
             return [self._link(HealthOutcome.ERROR, f"no {MASTER_ADDRESS_FLAG}/{MASTER_PORT_FLAG}")]
         self.master = address, port = master
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                address, port, type=socket.SOCK_STREAM
-            )
-        except OSError as error:
-            return [self._link(HealthOutcome.ERROR, f"cannot resolve {address}: {error}")]
-        ips = {str(info[4][0]) for info in infos}
-        outcome, reason = await self._reach(address, port)
+        ips, note = await self._addresses(address, port)
+        outcome, reason = await self._reach(sorted(ips), port)
         if outcome is not HealthOutcome.OK:
-            return [self._link(outcome, f"master {address}:{port} {reason}")]
+            return [self._link(outcome, f"master {address}:{port} {reason}{note}")]
         holders = await asyncio.to_thread(self._connected, root.pid, ips)
         if not holders:
             return [
                 self._link(
                     HealthOutcome.UNHEALTHY,
                     f"master {address}:{port} reachable, but no stage process is connected to"
-                    " its host: the stage is not registered",
+                    f" its host: the stage is not registered{note}",
                 )
             ]
         return [
-            self._link(HealthOutcome.OK, f"connected to {address}:{port} from pid {holders[0]}")
+            self._link(
+                HealthOutcome.OK, f"connected to {address}:{port} from pid {holders[0]}{note}"
+            )
         ]
 
-    async def _reach(self, address: str, port: int) -> tuple[HealthOutcome, str]:
+    async def _addresses(self, address: str, port: int) -> tuple[set[str], str]:
+        """The master's addresses, and a note when they are the last ones known because its
+        name did not resolve now. Raises `ProbeError` when it never resolved: the link is
+        then not judged at all, since nothing says where the master is."""
         try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(address, port), self._timeout
-            )
+            ips = await self._resolve(address, port)
+        except OSError as error:
+            known = self._resolved
+            if known is None or known[0] != address:
+                raise ProbeError(
+                    f"cannot resolve {address}: {error}; the link is judged once it resolves"
+                ) from None
+            shown = ", ".join(sorted(known[1]))
+            return known[1], f" ({address} did not resolve: {error}; its last address {shown})"
+        self._resolved = (address, ips)
+        return ips, ""
+
+    async def _reach(self, ips: Sequence[str], port: int) -> tuple[HealthOutcome, str]:
+        """Whether the master's port takes a connection on one of its addresses."""
+        outcome, reason = HealthOutcome.ERROR, "has no address"
+        for ip in ips:
+            outcome, reason = await self._connect(ip, port)
+            if outcome is HealthOutcome.OK:
+                break
+        return outcome, reason
+
+    async def _connect(self, ip: str, port: int) -> tuple[HealthOutcome, str]:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), self._timeout)
         except asyncio.TimeoutError:
             return HealthOutcome.TIMEOUT, f"did not answer in {self._timeout:g}s"
         except ConnectionRefusedError:
@@ -177,3 +206,8 @@ class MasterLinkProbe:
         address, port = self.master or ("", 0)
         self._last = MasterLink(address, port, up, since, detail)
         return Observation(ObservationKind.LINK, now, outcome=outcome, detail=detail)
+
+
+async def _addresses_of(name: str, port: int) -> set[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    return {str(info[4][0]) for info in infos}

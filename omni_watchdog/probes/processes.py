@@ -22,6 +22,8 @@ from omni_watchdog.probes.exits import ExitNotices
 from omni_watchdog.redact import redact_argv
 from omni_watchdog.topology import observed_topology
 from omni_watchdog.types import (
+    DIFFUSION_WORKER_TITLE,
+    LLM_STAGE_TITLE,
     Clock,
     Observation,
     ObservationKind,
@@ -38,9 +40,10 @@ from omni_watchdog.types import (
     TopologyOrigin,
 )
 
-STAGE_ENGINE_TITLE = re.compile(r"VLLM::StageEngineCoreProc_stage(\d+)_replica(\d+)")
+STAGE_ENGINE_TITLE = re.compile(re.escape(LLM_STAGE_TITLE) + r"(\d+)_replica(\d+)")
 ENGINE_CORE_TITLE = re.compile(r"VLLM::EngineCore(?:_DP(\d+))?(?![A-Za-z0-9])")
 WORKER_TITLE = re.compile(r"VLLM::Worker")
+DIFFUSION_WORKER = re.compile(re.escape(DIFFUSION_WORKER_TITLE))
 SPAWN_MARKERS = ("multiprocessing.spawn", "from multiprocessing.spawn import spawn_main")
 RESOURCE_TRACKER_MARKER = "multiprocessing.resource_tracker"
 
@@ -162,6 +165,8 @@ class ProcessTracker:
         if pid is None and target_port is None and not headless:
             raise ValueError("ProcessTracker needs the server's pid or its port")
         self._headless = headless
+        # Look-alike headless servers among which none has proven itself yet.
+        self._unproven: tuple[int, ...] = ()
         self._psutil = process_table
         self._clock = clock
         self._own_pid = own_pid
@@ -241,6 +246,10 @@ class ProcessTracker:
     def maps(self, stage: StageRef) -> bool:
         """A live recorded process of this generation serves the stage replica."""
         return any(info.stage == stage for info in self.live())
+
+    def live_pids(self) -> list[int]:
+        """The pids of the live recorded processes of this generation."""
+        return [info.pid for info in self.live()]
 
     def set_topology(self, topology: Topology) -> None:
         """Map processes (0.11's untitled stage workers by spawn order) and judge spans
@@ -489,6 +498,10 @@ class ProcessTracker:
         parent_stage: StageRef | None,
     ) -> tuple[ProcessRole, StageRef | None]:
         if snapshot.pid == root.pid:
+            only = self._topology.refs()
+            if DIFFUSION_WORKER.search(snapshot.title) and len(only) == 1:
+                # A one-stage diffusion server: the API process runs the stage itself.
+                return ProcessRole.API, only[0]
             return ProcessRole.API, None
         named = _titled_stage(snapshot.title)
         if named is not None:
@@ -499,12 +512,17 @@ class ProcessTracker:
             return ProcessRole.ENGINE, named
         if WORKER_TITLE.search(snapshot.title):
             return ProcessRole.WORKER, parent_stage
+        if DIFFUSION_WORKER.search(snapshot.title) and parent_stage is not None:
+            # The mp executor's worker, under its stage's process (or under an API process
+            # that runs the stage inline).
+            return ProcessRole.WORKER, parent_stage
         return ProcessRole.HELPER, None
 
     def _spawn_order_stages(
         self, generation: _Generation, tree: list[_Snapshot]
     ) -> dict[ProcessIdentity, StageRef]:
-        """The root's untitled spawn children, oldest first, on the stages no title claims.
+        """The root's untitled spawn children and its diffusion workers, oldest first, on
+        the stages no title claims.
 
         vLLM-Omni 0.11 stage workers are never titled: their order is all there is. A 0.30
         replica is untitled only until it sets its title; one that dies before the tracker
@@ -524,7 +542,7 @@ class ProcessTracker:
         spawned = sorted(
             (create_time, identity)
             for identity, (create_time, title) in children.items()
-            if _is_untitled_spawn(title)
+            if _is_untitled_spawn(title) or DIFFUSION_WORKER.search(title)
         )
         free = [ref for ref in self._topology.refs() if ref not in claimed]
         return {identity: ref for (_, identity), ref in zip(spawned, free, strict=False)}
@@ -558,8 +576,12 @@ class ProcessTracker:
         return ProcessIdentity(pid, created)
 
     def _find_headless_root(self) -> ProcessIdentity | None:
-        """The oldest process whose command line starts a headless stage server (its
-        children inherit the command line in a fork, so the oldest is the root)."""
+        """The headless stage server: of the processes whose command line starts one (its
+        children inherit the command line in a fork, so the oldest of a tree is its root),
+        the oldest that started a stage process titled as vLLM-Omni titles them; the only
+        one while none has yet. A command line anyone can write: a look-alike started
+        earlier was attached instead of the stage, whose death then went unjudged. Two or
+        more and none proven: none yet, until one starts its stage."""
         found = []
         for process in self._psutil.process_iter(["pid"]):
             if process.pid in (self._own_pid, 1):
@@ -569,10 +591,33 @@ class ProcessTracker:
                     found.append((self._start_time(process.pid), process.pid))
             except self._psutil.Error:
                 continue
-        if not found:
-            return None
-        created, pid = min(found)
-        return ProcessIdentity(pid, created)
+        roots = [(created, pid) for created, pid in found if not self._forked_from(pid, found)]
+        proven = [(created, pid) for created, pid in roots if self._started_a_stage(pid)]
+        self._unproven = () if proven or len(roots) < 2 else tuple(pid for _, pid in roots)
+        chosen = min(proven) if proven else (roots[0] if len(roots) == 1 else None)
+        return None if chosen is None else ProcessIdentity(chosen[1], chosen[0])
+
+    def _forked_from(self, pid: int, found: Sequence[tuple[float, int]]) -> bool:
+        """A child of another candidate: a fork that kept the command line."""
+        others = {other for _, other in found if other != pid}
+        try:
+            return any(parent.pid in others for parent in self._psutil.Process(pid).parents())
+        except self._psutil.Error:
+            return False
+
+    def _started_a_stage(self, pid: int) -> bool:
+        try:
+            children = self._psutil.Process(pid).children(recursive=True)
+        except self._psutil.Error:
+            return False
+        for child in children:
+            try:
+                title = " ".join(child.cmdline())
+            except self._psutil.Error:
+                continue
+            if STAGE_ENGINE_TITLE.search(title) or DIFFUSION_WORKER.search(title):
+                return True
+        return False
 
     def _listener_pids(self) -> set[int]:
         """Pids the socket table shows listening on the target port, less watchdog and init."""
@@ -700,6 +745,12 @@ class ProcessTracker:
     def _not_found_reason(self) -> str:
         if self._pid is not None:
             return f"no process with pid {self._pid}"
+        if self._headless and self._unproven:
+            pids = ", ".join(str(pid) for pid in self._unproven)
+            return (
+                f"processes {pids} each look like a headless stage server and none has"
+                " started a stage process yet: waiting for one to start its stage"
+            )
         if self._headless:
             return "no headless stage server (a command line with --headless and --stage-id)"
         return f"no process listens on port {self._port}"

@@ -1,9 +1,10 @@
 """The spans probe: an OTLP/HTTP traces receiver that turns spans into observations.
 
 It speaks the OTLP/HTTP protocol as a collector does (`POST /v1/traces`, protobuf or JSON,
-gzip), maps the instrument plugin's `omni.*` spans and vLLM's `llm_request` spans to
-observations, keeps the last spans of every stage in a `SpanStore`, and can hand every
-accepted body to a `SpanForwarder` for an upstream collector.
+gzip), maps the instrument plugin's `omni.*` spans, vLLM's `llm_request` spans and
+vLLM-Omni's own stage spans to observations, keeps the last spans of every stage in a
+`SpanStore`, and can hand every accepted body to a `SpanForwarder` for an upstream
+collector.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import enum
-import hmac
 import json
 import logging
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -32,7 +33,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from omni_watchdog import pipeline_report
+from omni_watchdog.bearer import bearer_matches
 from omni_watchdog.config import SpansConfig
+from omni_watchdog.log import log_event
+from omni_watchdog.probes.peers import SocketOwners, is_loopback
 from omni_watchdog.probes.span_store import (
     EMPTY_RESOURCE,
     MAX_ATTRIBUTES,
@@ -40,6 +44,7 @@ from omni_watchdog.probes.span_store import (
     STATUS_CODE_ERROR,
     ResourceInfo,
     SpanStore,
+    as_float,
     as_int,
     attribute_value,
     bounded_attributes,
@@ -47,6 +52,12 @@ from omni_watchdog.probes.span_store import (
     stage_of,
 )
 from omni_watchdog.semconv import (
+    DENOISE_STEP_COUNT,
+    DENOISE_STEP_INDEX,
+    DENOISE_STEP_SECONDS,
+    DENOISE_STEP_SPAN,
+    DIFFUSION_DENOISE_MS,
+    DIFFUSION_REQUEST_SPAN,
     EXCEPTION_EVENT,
     EXCEPTION_MESSAGE,
     GEN_AI_REQUEST_ID,
@@ -61,6 +72,13 @@ from omni_watchdog.semconv import (
     STAGE_REPLICA,
     STAGE_REQUEST_SPAN,
     TOPOLOGY_SPAN,
+    VLLM_INSTRUMENTING_MODULE,
+    VLLM_OMNI_DIFFUSION_STAGE_SPAN,
+    VLLM_OMNI_INSTRUMENTING_MODULE,
+    VLLM_OMNI_LLM_STAGE_SPAN,
+    VLLM_OMNI_REQUEST_SPAN,
+    VLLM_OMNI_STAGE_ID,
+    VLLM_OMNI_STAGE_REPLICA,
     VLLM_REQUEST_SPAN,
 )
 from omni_watchdog.topology import MAX_STAGES, TopologyError, reported_topology
@@ -86,6 +104,29 @@ _REQUEST_END_KINDS = {
     REQUEST_ABANDONED_SPAN: ObservationKind.REQUEST_ABANDONED,
     REQUEST_FINISHED_SPAN: ObservationKind.REQUEST_FINISHED,
 }
+# vLLM-Omni's own spans of one stage's work on a request (see semconv).
+_VLLM_OMNI_STAGE_SPANS = frozenset({VLLM_OMNI_LLM_STAGE_SPAN, VLLM_OMNI_DIFFUSION_STAGE_SPAN})
+# What a sender without a start time may send: vLLM's and vLLM-Omni's spans of a mapped
+# stage, and those of vLLM-Omni's that name no stage (the request, its `llm_request`s).
+_ANONYMOUS_STAGE_SPANS = _VLLM_OMNI_STAGE_SPANS | {VLLM_REQUEST_SPAN}
+_ANONYMOUS_UNSTAGED_SPANS = frozenset({VLLM_OMNI_REQUEST_SPAN, VLLM_REQUEST_SPAN})
+# The plugin's spans, each with whether it shows the plugin at work on the stage it
+# names. While they come, vLLM-Omni's own spans of that stage (of the pipeline, for its
+# request span) would count the same work twice: they are only kept.
+_PLUGIN_SPANS = {
+    HEARTBEAT_SPAN: True,
+    STAGE_REQUEST_SPAN: True,
+    DENOISE_STEP_SPAN: True,
+    DIFFUSION_REQUEST_SPAN: True,
+    REQUEST_ADMITTED_SPAN: False,
+    REQUEST_ABANDONED_SPAN: False,
+    REQUEST_FINISHED_SPAN: False,
+    TOPOLOGY_SPAN: False,
+}
+# The plugin's loops beat every second and it reports the topology every ten. vLLM-Omni's
+# spans count again this long after the plugin's last span of their stage (its last span
+# at all, for the request span).
+PLUGIN_PRESENCE_SECONDS = 30.0
 
 # Plain vLLM sets no stage attributes: it is one stage.
 VLLM_DEFAULT_STAGE = StageRef(0, 0)
@@ -98,6 +139,7 @@ REJECTION_REASONS = (
     "queue_full",
     "unauthorized",
     "unknown_sender",
+    "unproven_sender",
     "unknown_stage",
     "body_timeout",
     "body_incomplete",
@@ -119,7 +161,19 @@ _GZIP_WBITS = 16 + zlib.MAX_WBITS
 
 # The only span attributes read on ingestion; the rest are read when a record is built.
 _WANTED_KEYS = frozenset(
-    {STAGE_ID, STAGE_REPLICA, REQUEST_ID, REQUEST_STAGE_PATH, GEN_AI_REQUEST_ID}
+    {
+        STAGE_ID,
+        STAGE_REPLICA,
+        REQUEST_ID,
+        REQUEST_STAGE_PATH,
+        GEN_AI_REQUEST_ID,
+        VLLM_OMNI_STAGE_ID,
+        VLLM_OMNI_STAGE_REPLICA,
+        DENOISE_STEP_INDEX,
+        DENOISE_STEP_COUNT,
+        DENOISE_STEP_SECONDS,
+        DIFFUSION_DENOISE_MS,
+    }
 )
 _WANTED_KEY_BYTES = tuple((key, key.encode()) for key in sorted(_WANTED_KEYS))
 _NOTHING: dict[str, Any] = {}
@@ -147,6 +201,7 @@ class _Trust(enum.Enum):
     UNRECORDED = "unrecorded"  # names itself by pid and start, but is not recorded (yet)
     ANONYMOUS = "anonymous"  # no start time: vLLM's own spans, or a client of its own
     FOREIGN = "foreign"  # another host or another boot
+    IMPOSTOR = "impostor"  # not the process whose connection it came on
     REMOTE = "remote"  # a remote stage's process, on another host, known by the token
 
 
@@ -161,6 +216,58 @@ class _Waiting:
     observations: list[Observation]
     kept: list[tuple[StageRef | None, bytes]]
     resource: ResourceInfo
+    # The stages (None: the pipeline) its plugin spans spoke for.
+    heard: tuple[StageRef | None, ...]
+
+
+# Pids one connection may be asked to have come from: an exporter speaks for its process.
+MAX_CLAIMS_CHECKED = 16
+# How often one connection's sender is looked for again among the target's processes when
+# it was not found: the tracker records new processes, a forger's posts cost a scan each.
+TARGET_RECHECK_SECONDS = 1.0
+
+
+class _Sender:
+    """The process end of one connection from this host, known by its socket's inode
+    (None: a loopback peer whose socket is in no table, which nothing holds): which
+    processes hold it, asked of /proc once per pid (and per second for the whole tree).
+    A process whose descriptors the watchdog may not read cannot be checked: it is
+    believed, as without the check, and `cannot_check` is called."""
+
+    def __init__(
+        self, inode: int | None, owners: SocketOwners, cannot_check: Callable[[str], None]
+    ) -> None:
+        self._inode = inode
+        self._owners = owners
+        self._cannot_check = cannot_check
+        self._claims: dict[int, bool] = {}
+        self._in_target = False
+        self._target_checked = -TARGET_RECHECK_SECONDS
+
+    def holds(self, pid: int) -> bool:
+        """`pid`'s descriptor table holds this connection's socket."""
+        known = self._claims.get(pid)
+        if known is None:
+            if self._inode is None or len(self._claims) >= MAX_CLAIMS_CHECKED:
+                return False
+            holding, unreadable = self._owners.holders(self._inode, (pid,))
+            known = bool(holding or unreadable)
+            if unreadable:
+                self._cannot_check(f"the descriptors of pid {pid} cannot be read")
+            self._claims[pid] = known
+        return known
+
+    def in_target(self, pids: Callable[[], list[int]], now: float) -> bool:
+        """One of the target's recorded processes holds the socket."""
+        if self._inode is None:
+            return False
+        if not self._in_target and now - self._target_checked >= TARGET_RECHECK_SECONDS:
+            self._target_checked = now
+            holding, unreadable = self._owners.holders(self._inode, pids())
+            self._in_target = bool(holding or unreadable)
+            if unreadable and not holding:
+                self._cannot_check(f"the descriptors of pids {sorted(unreadable)} cannot be read")
+        return self._in_target
 
 
 class OtlpError(Exception):
@@ -344,6 +451,17 @@ def _request_id(found: Mapping[str, Any], key: str, fallback: str = "") -> str:
     return "" if value is None else str(value)[:MAX_REQUEST_ID]
 
 
+def _vllm_omni_request_end(span: Any, found: Mapping[str, Any], now: float) -> Observation:
+    """The end of the request an `omni_request` span covers: finished, or abandoned when
+    the span failed (vLLM-Omni sends it only for a finished request, so far)."""
+    failed = span.status.code == STATUS_CODE_ERROR
+    return Observation(
+        ObservationKind.REQUEST_ABANDONED if failed else ObservationKind.REQUEST_FINISHED,
+        now,
+        request_id=_request_id(found, GEN_AI_REQUEST_ID),
+    )
+
+
 def _stage_span(span: Any, stage: StageRef, found: Mapping[str, Any], now: float) -> Observation:
     """The STAGE_SPAN observation of an `omni.stage.request` or `llm_request` span."""
     failed = span.status.code == STATUS_CODE_ERROR
@@ -355,6 +473,52 @@ def _stage_span(span: Any, stage: StageRef, found: Mapping[str, Any], now: float
         outcome=SpanOutcome.ERROR if failed else SpanOutcome.OK,
         detail=_error_detail(span)[:MAX_REQUEST_ID] if failed else "",
         request_id=_request_id(found, REQUEST_ID, GEN_AI_REQUEST_ID),
+    )
+
+
+def _denoise_done(stage: StageRef, found: Mapping[str, Any], now: float) -> Observation:
+    """The DENOISE_DONE observation of an `omni.diffusion.request` span, with the seconds
+    its steps took on average where it says how many ran and how long they took: an image
+    done within a heartbeat interval tells no step of its own."""
+    steps = as_int(found.get(DENOISE_STEP_INDEX))
+    denoise_ms = as_float(found.get(DIFFUSION_DENOISE_MS))
+    seconds = 0.0
+    if steps is not None and 1 <= steps <= MAX_DENOISE_STEPS and denoise_ms is not None:
+        mean = denoise_ms / 1e3 / steps
+        seconds = mean if 0.0 <= mean < float("inf") else 0.0
+    return Observation(
+        ObservationKind.DENOISE_DONE,
+        now,
+        stage=stage,
+        request_id=_request_id(found, REQUEST_ID),
+        value=seconds,
+    )
+
+
+# A denoising loop of more steps than this is not one a server runs.
+MAX_DENOISE_STEPS = 100_000
+
+
+def _denoise_step(stage: StageRef, found: Mapping[str, Any], now: float) -> Observation | None:
+    """The DENOISE_STEP observation of an `omni.diffusion.step` span; None when its step
+    numbers are missing or make no sense (step 0, or past a count; a count of 0 is one the
+    sender does not know)."""
+    step = as_int(found.get(DENOISE_STEP_INDEX))
+    steps = as_int(found.get(DENOISE_STEP_COUNT))
+    if step is None or steps is None or not 1 <= step <= MAX_DENOISE_STEPS:
+        return None
+    if not (steps == 0 or step <= steps <= MAX_DENOISE_STEPS):
+        return None
+    previous = found.get(DENOISE_STEP_SECONDS)
+    seconds = float(previous) if isinstance(previous, (int, float)) else 0.0
+    return Observation(
+        ObservationKind.DENOISE_STEP,
+        now,
+        stage=stage,
+        request_id=_request_id(found, REQUEST_ID),
+        value=seconds if 0.0 <= seconds < float("inf") else 0.0,
+        step=step,
+        steps=steps,
     )
 
 
@@ -452,6 +616,14 @@ class SpanReceiver:
     well-formed and within the topology bounds; else it is counted as
     `malformed_topology`. Without a process table in view every sender is believed, as
     for heartbeats: there the OTLP token is what keeps strangers out.
+
+    vLLM-Omni's own spans (`llm_processing`, `diffusion_request`, `omni_request`: its
+    tracing, still an open pull request) are read beside the plugin's. A stage span of
+    theirs counts as vLLM's `llm_request` does, except for a stage the plugin's spans
+    spoke for in the last `PLUGIN_PRESENCE_SECONDS`: the plugin counts that work
+    already, and theirs is only kept. Their request span ends a request only while no
+    plugin span comes at all. vLLM-Omni's tracer also sends vLLM's `llm_request` for
+    every LLM stage, naming none: that one is kept, never counted, never stage 0.
     """
 
     name = "spans"
@@ -468,9 +640,12 @@ class SpanReceiver:
         boot_id: str = "",
         sender_grace: float = SENDER_GRACE_SECONDS,
         remote_stages: frozenset[int] = frozenset(),
+        owners: SocketOwners | None = None,
     ) -> None:
         """`remote_stages`: stage ids on other hosts, whose spans come from processes this
-        host cannot check; they are taken only with the token, and only for those stages."""
+        host cannot check; they are taken only with the token, and only for those stages.
+        `owners`: where a loopback connection's process is looked up (None: nowhere, as
+        for a body given to `ingest` directly)."""
         if remote_stages and not token:
             raise ValueError("spans of remote stages need the receiver's token")
         self._remote = remote_stages
@@ -484,6 +659,12 @@ class SpanReceiver:
         self._token = token.encode() if token else None
         self._boot_id = boot_id
         self._sender_grace = sender_grace
+        self._owners = owners
+        # Each open connection's sender (None: not on this host, or not to be checked).
+        self._connections: weakref.WeakKeyDictionary[object, _Sender | None] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._sender_check_failed = False
         self._batches: deque[list[Observation]] = deque()
         self._waiting: deque[_Waiting] = deque()
         self._waiting_spans = 0
@@ -491,6 +672,8 @@ class SpanReceiver:
         self._rejected = dict.fromkeys(REJECTION_REASONS, 0)
         self._requests = dict.fromkeys(RESPONSE_STATUSES, 0)
         self._stage_refs: dict[tuple[object, object], StageRef | None] = {}
+        # When the plugin's spans last spoke for a stage (None: for the pipeline).
+        self._plugin_heard: dict[StageRef | None, float] = {}
         self._empty_response = {
             PROTOBUF: ExportTraceServiceResponse().SerializeToString(),
             JSON: b"{}",
@@ -544,14 +727,7 @@ class SpanReceiver:
         """Refuse (401) an export without the configured bearer token."""
         if self._token is None:
             return
-        scheme, _, presented = (authorization or "").partition(" ")
-        try:
-            presented_bytes = presented.strip().encode()
-        except UnicodeEncodeError:  # undecodable header bytes: never the token
-            presented_bytes = b""
-        # Constant time, so the token cannot be guessed a byte at a time from answer delays.
-        matches = hmac.compare_digest(presented_bytes, self._token)
-        if scheme.lower() != "bearer" or not matches:
+        if not bearer_matches(authorization, self._token):
             raise OtlpError(401, "unauthorized", "missing or wrong bearer token")
 
     def check_acceptable(self, media_type: str, content_encoding: str) -> None:
@@ -571,8 +747,15 @@ class SpanReceiver:
         if len(self._batches) >= self._config.queue_size:
             raise OtlpError(503, "queue_full", "the receiver's queue is full, retry later")
 
-    def ingest(self, body: bytes, media_type: str, content_encoding: str = "") -> IngestResult:
-        """Decode, map and store one export request body, exactly as the HTTP handler does."""
+    def ingest(
+        self,
+        body: bytes,
+        media_type: str,
+        content_encoding: str = "",
+        sender: _Sender | None = None,
+    ) -> IngestResult:
+        """Decode, map and store one export request body, exactly as the HTTP handler does;
+        `sender`: the process end of the connection it came on, where it can be known."""
         self.check_acceptable(media_type, content_encoding)
         raw = body
         if content_encoding == "gzip":
@@ -587,7 +770,7 @@ class SpanReceiver:
         else:
             wanted = _WANTED_KEYS
         observations: list[Observation] = []
-        well_formed, malformed = self._map(request, wanted, observations)
+        well_formed, malformed = self._map(request, wanted, observations, sender)
         if observations:
             self._batches.append(observations)
         self._rejected["malformed_id"] += malformed
@@ -604,7 +787,11 @@ class SpanReceiver:
         )
 
     def _map(
-        self, request: Any, wanted: frozenset[str], observations: list[Observation]
+        self,
+        request: Any,
+        wanted: frozenset[str],
+        observations: list[Observation],
+        sender: _Sender | None = None,
     ) -> tuple[int, int]:
         """File every valid span in the store and append its observations; (well-formed,
         malformed). A span refused for its sender or stage is well-formed, so the exporter
@@ -625,14 +812,25 @@ class SpanReceiver:
         checked: StageRef | None = None
         checked_known, checked_mapped = True, False
         for resource_spans in request.resource_spans:
-            resource, trust = self._resource(resource_spans)
-            if trust is _Trust.FOREIGN:
+            resource, trust = self._resource(resource_spans, sender)
+            if trust is _Trust.FOREIGN or trust is _Trust.IMPOSTOR:
                 count = sum(len(scope.spans) for scope in resource_spans.scope_spans)
-                self._rejected["unknown_sender"] += count
+                reason = "unknown_sender" if trust is _Trust.FOREIGN else "unproven_sender"
+                self._rejected[reason] += count
                 well_formed += count
                 continue
             resource_stage = resource.stage
             resource_id = resource.attributes.get(STAGE_ID)
+            # vLLM-Omni's tracer: its `llm_request`s repeat its `llm_processing` spans.
+            omni_tracer = (
+                resource.attributes.get(VLLM_INSTRUMENTING_MODULE) == VLLM_OMNI_INSTRUMENTING_MODULE
+            )
+            # Where plugin spans are noted; held back with them while unrecorded.
+            heard: dict[StageRef | None, float] = (
+                {} if trust is _Trust.UNRECORDED else self._plugin_heard
+            )
+            spoke = False
+            noted: StageRef | None = None
             # What the resource's spans give, held back while its sender is unrecorded.
             gathered = [] if trust is _Trust.UNRECORDED else observations
             kept: list[tuple[StageRef | None, Any]] = []
@@ -668,16 +866,20 @@ class SpanReceiver:
                                     if len(found) == wanted_count:
                                         hint = index
                                         break
-                    # The span's own stage attributes win over its resource's; a replica
-                    # belongs to the stage id it came with.
+                    # The span's own stage attributes (ours, else vLLM-Omni's) win over its
+                    # resource's; a replica belongs to the stage id it came with.
                     if STAGE_ID in found:
                         stage = stage_ref(found[STAGE_ID], found.get(STAGE_REPLICA))
                     elif STAGE_REPLICA in found:
                         stage = stage_ref(resource_id, found[STAGE_REPLICA])
+                    elif VLLM_OMNI_STAGE_ID in found:
+                        stage = stage_ref(
+                            found[VLLM_OMNI_STAGE_ID], found.get(VLLM_OMNI_STAGE_REPLICA)
+                        )
                     else:
                         stage = resource_stage
                     name = span.name
-                    if stage is None and name == VLLM_REQUEST_SPAN:
+                    if stage is None and name == VLLM_REQUEST_SPAN and not omni_tracer:
                         stage = VLLM_DEFAULT_STAGE
                     if stage is not checked:
                         checked = stage
@@ -691,11 +893,14 @@ class SpanReceiver:
                     elif not checked_known:
                         self._rejected["unknown_stage"] += 1
                         continue
-                    if trust is _Trust.ANONYMOUS and (
-                        name != VLLM_REQUEST_SPAN or not checked_mapped
+                    if trust is _Trust.ANONYMOUS and not (
+                        checked_mapped and name in _ANONYMOUS_STAGE_SPANS
+                        if stage is not None
+                        else name in _ANONYMOUS_UNSTAGED_SPANS
                     ):
                         # No start time: such a span may show a mapped stage's progress,
-                        # never a process's liveness or the requests it owes.
+                        # never a process's liveness or the requests it owes (vLLM-Omni's
+                        # request end counts only while no plugin span comes: none owed).
                         self._rejected["unknown_sender"] += 1
                         continue
                     if name == TOPOLOGY_SPAN:
@@ -708,15 +913,33 @@ class SpanReceiver:
                         )
                     counted += 1
                     kept.append((stage, span))
-                    if name == HEARTBEAT_SPAN:
-                        # Heartbeats of one stage in one body say the same thing at `now`.
+                    plugin = _PLUGIN_SPANS.get(name)
+                    if plugin is not None:
+                        spoke = True
+                        # Once per run of one stage: hashing a StageRef costs.
+                        if plugin and stage is not None and stage is not noted:
+                            noted = stage
+                            if len(heard) >= _STAGE_CACHE_SIZE:  # a remote stage's replicas
+                                heard.clear()
+                            heard[stage] = now
+                    if name in (HEARTBEAT_SPAN, DENOISE_STEP_SPAN):
+                        # Heartbeats of one stage in one body say the same thing at `now`;
+                        # a denoising step is a beat of the loop that runs it.
                         if stage is not None and stage not in beating:
                             beating.add(stage)
                             gathered.append(
                                 Observation(ObservationKind.HEARTBEAT, now, stage=stage)
                             )
-                    elif name in _STAGE_SPAN_NAMES:
+                        if name == DENOISE_STEP_SPAN and stage is not None:
+                            step = _denoise_step(stage, found, now)
+                            if step is not None:
+                                gathered.append(step)
+                    elif name == DIFFUSION_REQUEST_SPAN:
+                        # Its failure is counted from the orchestrator's stage span, once.
                         if stage is not None:
+                            gathered.append(_denoise_done(stage, found, now))
+                    elif name in _STAGE_SPAN_NAMES:
+                        if stage is not None and not (omni_tracer and name == VLLM_REQUEST_SPAN):
                             gathered.append(_stage_span(span, stage, found, now))
                     elif name == REQUEST_ADMITTED_SPAN:
                         gathered.append(
@@ -737,8 +960,17 @@ class SpanReceiver:
                                 request_id=_request_id(found, REQUEST_ID),
                             )
                         )
+                    elif name in _VLLM_OMNI_STAGE_SPANS:
+                        # Counted as `llm_request` is, unless the plugin speaks for the
+                        # stage: its `omni.stage.request` counts the same work.
+                        if stage is not None and not self._plugin_spoke(stage, now):
+                            gathered.append(_stage_span(span, stage, found, now))
+                    elif name == VLLM_OMNI_REQUEST_SPAN and not self._plugin_spoke(None, now):
+                        gathered.append(_vllm_omni_request_end(span, found, now))
+            if spoke:
+                heard[None] = now
             if trust is _Trust.UNRECORDED and counted:
-                self._wait(now, resource, counted, gathered, _compacted(kept))
+                self._wait(now, resource, counted, gathered, _compacted(kept), tuple(heard))
             elif counted:
                 remote = trust is _Trust.REMOTE
                 if remote and resource_stage is not None:
@@ -747,6 +979,11 @@ class SpanReceiver:
                     resource, counted, _compacted(kept, self.store.ring_size), learn=not remote
                 )
         return well_formed, malformed
+
+    def _plugin_spoke(self, stage: StageRef | None, now: float) -> bool:
+        """The plugin's spans spoke for `stage` (None: for the pipeline) lately."""
+        heard = self._plugin_heard.get(stage)
+        return heard is not None and now - heard < PLUGIN_PRESENCE_SECONDS
 
     def _note_host(self, stage_id: int, resource: ResourceInfo) -> None:
         host = str(resource.attributes.get(HOST_NAME, ""))[:MAX_HOST_NAME]
@@ -781,13 +1018,16 @@ class SpanReceiver:
         count: int,
         observations: list[Observation],
         kept: list[tuple[StageRef | None, bytes]],
+        heard: tuple[StageRef | None, ...],
     ) -> None:
         if self._waiting_spans + count > MAX_WAITING_SPANS:
             self._rejected["unknown_sender"] += count
             return
         assert resource.pid is not None and resource.start_ticks is not None
         self._waiting.append(
-            _Waiting(now, resource.pid, resource.start_ticks, count, observations, kept, resource)
+            _Waiting(
+                now, resource.pid, resource.start_ticks, count, observations, kept, resource, heard
+            )
         )
         self._waiting_spans += count
 
@@ -800,6 +1040,7 @@ class SpanReceiver:
         for waiting in self._waiting:
             if self._senders.owns(waiting.pid, waiting.start_ticks):
                 self._file(waiting.resource, waiting.count, waiting.kept)
+                self._plugin_heard.update(dict.fromkeys(waiting.heard, now))
                 if waiting.observations:
                     self._batches.append(waiting.observations)
             elif now - waiting.received > self._sender_grace:
@@ -827,20 +1068,28 @@ class SpanReceiver:
         self._stage_refs[key] = stage
         return stage
 
-    def _resource(self, resource_spans: Any) -> tuple[ResourceInfo, _Trust]:
+    def _resource(self, resource_spans: Any, sender: _Sender | None) -> tuple[ResourceInfo, _Trust]:
         if not resource_spans.HasField("resource"):
-            return EMPTY_RESOURCE, self._trust(EMPTY_RESOURCE)
+            return EMPTY_RESOURCE, self._trust(EMPTY_RESOURCE, sender)
         attributes = bounded_attributes(resource_spans.resource.attributes)
         stage = self._stage_ref(attributes.get(STAGE_ID), attributes.get(STAGE_REPLICA))
         resource = ResourceInfo.from_attributes(attributes, stage)
-        return resource, self._trust(resource)
+        return resource, self._trust(resource, sender)
 
-    def _trust(self, resource: ResourceInfo) -> _Trust:
+    def _trust(self, resource: ResourceInfo, sender: _Sender | None = None) -> _Trust:
         # Only an export that carried the token reaches here when one is configured.
         if resource.stage is not None and resource.stage.stage_id in self._remote:
             return _Trust.REMOTE
         if resource.boot_id and self._boot_id and resource.boot_id != self._boot_id:
             return _Trust.FOREIGN
+        if sender is not None:
+            # A connection from this host: the process it came from must be the one the
+            # resource names, or, where it names none, one of the target's.
+            if resource.pid is not None:
+                if not sender.holds(resource.pid):
+                    return _Trust.IMPOSTOR
+            elif not sender.in_target(self._senders.live_pids, self._clock.monotonic()):
+                return _Trust.IMPOSTOR
         if self._senders.owns(resource.pid, resource.start_ticks):
             return _Trust.TARGET
         if resource.pid is not None and resource.start_ticks is not None:
@@ -882,7 +1131,11 @@ class SpanReceiver:
         try:
             self.check_authorized(request.headers.get("Authorization"))
             self.check_acceptable(media_type, encoding)
-            result = self.ingest(await self._read_body_in_time(request), media_type, encoding)
+            # Looked up while the connection is surely open: a sender gone by the time its
+            # body is read must not slip past the check.
+            sender = self._sender_of(request)
+            body = await self._read_body_in_time(request)
+            result = self.ingest(body, media_type, encoding, sender)
         except OtlpError as error:
             self._rejected[error.reason] += 1
             return self._error_response(error, media_type)
@@ -892,6 +1145,45 @@ class SpanReceiver:
         response.partial_success.rejected_spans = result.rejected
         response.partial_success.error_message = result.error_message
         return self._message_response(200, response, media_type)
+
+    def _sender_of(self, request: web.Request) -> _Sender | None:
+        """The process end of the request's connection, looked up once per connection;
+        None where it is not on this host (the token speaks for it) or cannot be read.
+        OtlpError: the connection is gone already."""
+        if self._owners is None:
+            return None
+        transport = request.transport
+        if transport is None:
+            raise OtlpError(400, "body_incomplete", "the connection closed before the body ended")
+        try:
+            return self._connections[transport]
+        except KeyError:
+            pass
+        sender = None
+        peer, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+        if isinstance(peer, tuple) and isinstance(local, tuple):
+            try:
+                inode = self._owners.peer_inode((peer[0], peer[1]), (local[0], local[1]))
+            except (OSError, ValueError) as error:
+                self._cannot_check(f"the socket table cannot be read: {error}")
+            else:
+                # Found here, or on loopback, where every peer is of this host: checked.
+                if inode is not None or is_loopback(str(peer[0])):
+                    sender = _Sender(inode, self._owners, self._cannot_check)
+        self._connections[transport] = sender
+        return sender
+
+    def _cannot_check(self, why: str) -> None:
+        """Said once: the sender check is off where /proc hides what it needs."""
+        if not self._sender_check_failed:
+            self._sender_check_failed = True
+            log_event(
+                log,
+                "otlp_sender_check_unavailable",
+                logging.WARNING,
+                reason=why,
+                consequence="spans are taken by their pid and start alone: set a token",
+            )
 
     def _error_response(self, error: OtlpError, media_type: str) -> web.Response:
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else None

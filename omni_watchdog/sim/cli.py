@@ -9,11 +9,13 @@ import os
 import socket
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from omni_watchdog.sim.engine import DENOISE_STEP_S, SLOW_DENOISE_STEP_S
 from omni_watchdog.sim.faults import (
     FAULTS_FILE,
     GENERATIONS,
@@ -25,13 +27,20 @@ from omni_watchdog.sim.faults import (
     parse_fault,
 )
 from omni_watchdog.sim.nvml import STATE_ENV, write_devices
+from omni_watchdog.sim.pipelines import (
+    BUILT_IN_CONFIGS,
+    PIPELINES,
+    ExecutionType,
+    PipelineError,
+    execution_types,
+)
 from omni_watchdog.sim.wire import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     HEADLESS_FILE,
     MASTER_FILE,
     MASTER_HEARTBEAT_S,
 )
-from omni_watchdog.topology import TopologyError, load_topology
+from omni_watchdog.topology import TopologyError, load_topology, parse_topology
 from omni_watchdog.types import Topology
 
 if TYPE_CHECKING:
@@ -82,6 +91,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens-cap", type=int, default=8, help="most tokens per request per stage"
     )
     parser.add_argument("--gpus", type=int, default=1, help="simulated devices (24 GiB each)")
+    parser.add_argument(
+        "--pipeline",
+        choices=sorted(PIPELINES),
+        default=None,
+        help="the pipeline the stages run, which gives each its execution type: "
+        "qwen2_5_omni (thinker LLM_AR, talker LLM_AR, code2wav LLM_GENERATION: one forward "
+        "per request) or image (text LLM_AR, dit DIFFUSION: a denoising loop per request, "
+        "0.30 only; its own 2-stage config unless --stage-config is given); "
+        "default: every stage LLM_AR, one token per engine step",
+    )
+    parser.add_argument(
+        "--denoise-step-seconds",
+        type=float,
+        default=DENOISE_STEP_S,
+        help="CPU work per denoising step of a diffusion stage (default %(default)g)",
+    )
+    parser.add_argument(
+        "--slow-denoise-step-seconds",
+        type=float,
+        default=SLOW_DENOISE_STEP_S,
+        help="CPU work per denoising step once denoise-slow fired (default %(default)g)",
+    )
     hosts = parser.add_argument_group(
         "stages on other hosts (0.30)",
         "A head serves the API and lists the stages that run elsewhere (--remote-stage); a "
@@ -133,15 +164,20 @@ class _Invalid(ValueError):
 def run(args: argparse.Namespace) -> int:
     """Start the server, or a headless stage, and serve until shut down; the exit code."""
     try:
-        topology = load_topology(args.stage_config or default_stage_config())
+        topology = _topology(args)
+        types = execution_types(args.pipeline, ((s.stage_id, s.name) for s in topology.stages))
         faults = tuple(parse_fault(text) for text in args.fault)
         if args.gpus < 1 or args.max_tokens_cap < 1 or args.token_delay < 0:
             raise _Invalid("--gpus and --max-tokens-cap must be at least 1, --token-delay >= 0")
+        if args.denoise_step_seconds < 0 or args.slow_denoise_step_seconds < 0:
+            raise _Invalid("--denoise-step-seconds and --slow-denoise-step-seconds must be >= 0")
+        if ExecutionType.DIFFUSION in types.values() and args.model_generation != "0.30":
+            raise _Invalid(f"--pipeline {args.pipeline} needs --model-generation 0.30")
         if args.headless:
-            _check_headless(args, topology, faults)
+            _check_headless(args, topology, faults, types)
         else:
-            _check_head(args, topology, faults)
-    except (TopologyError, FaultError, _Invalid) as error:
+            _check_head(args, topology, faults, types)
+    except (TopologyError, FaultError, PipelineError, _Invalid) as error:
         print(f"omni-watchdog sim: {error}", file=sys.stderr)
         return 2
     state_dir = Path(
@@ -152,11 +188,27 @@ def run(args: argparse.Namespace) -> int:
     os.environ[STATE_ENV] = str(state_dir)
     write_devices(state_dir, args.gpus)
     if args.headless:
-        return _run_headless(args, topology, faults, state_dir)
-    return _run_head(args, topology, faults, state_dir)
+        return _run_headless(args, topology, faults, state_dir, types)
+    return _run_head(args, topology, faults, state_dir, types)
 
 
-def _check_head(args: argparse.Namespace, topology: Topology, faults: tuple[Fault, ...]) -> None:
+def _topology(args: argparse.Namespace) -> Topology:
+    """The stage config's topology; without one, the pipeline's own config or the report's."""
+    if args.stage_config is None and args.pipeline in BUILT_IN_CONFIGS:
+        return parse_topology(BUILT_IN_CONFIGS[args.pipeline], f"the {args.pipeline} pipeline")
+    return load_topology(args.stage_config or default_stage_config())
+
+
+def _diffusion(types: Mapping[int, ExecutionType]) -> set[int]:
+    return {stage_id for stage_id, kind in types.items() if kind is ExecutionType.DIFFUSION}
+
+
+def _check_head(
+    args: argparse.Namespace,
+    topology: Topology,
+    faults: tuple[Fault, ...],
+    types: Mapping[int, ExecutionType],
+) -> None:
     replicas = {stage.stage_id: stage.replicas for stage in topology.stages}
     remote = set(args.remote_stage)
     if remote or args.omni_master_port is not None:
@@ -172,11 +224,14 @@ def _check_head(args: argparse.Namespace, topology: Topology, faults: tuple[Faul
     if unknown:
         raise _Invalid(f"--remote-stage {unknown[0]}: no stage {unknown[0]}")
     for fault in faults:
-        check_fault(fault, args.model_generation, replicas, remote)
+        check_fault(fault, args.model_generation, replicas, remote, _diffusion(types))
 
 
 def _check_headless(
-    args: argparse.Namespace, topology: Topology, faults: tuple[Fault, ...]
+    args: argparse.Namespace,
+    topology: Topology,
+    faults: tuple[Fault, ...],
+    types: Mapping[int, ExecutionType],
 ) -> None:
     if args.model_generation != "0.30":
         raise _Invalid("--headless needs --model-generation 0.30")
@@ -189,8 +244,9 @@ def _check_headless(
     stage = next((s for s in topology.stages if s.stage_id == args.stage_id), None)
     if stage is None:
         raise _Invalid("--headless needs --stage-id, one of the config's stages")
+    diffusion = stage.stage_id in _diffusion(types)
     for fault in faults:
-        check_headless_fault(fault, stage.stage_id, stage.replicas)
+        check_headless_fault(fault, stage.stage_id, stage.replicas, diffusion)
 
 
 def _settings(
@@ -199,6 +255,7 @@ def _settings(
     faults: tuple[Fault, ...],
     state_dir: Path,
     port: int,
+    types: Mapping[int, ExecutionType],
 ) -> SimSettings:
     from omni_watchdog.sim.server import SimSettings
 
@@ -220,11 +277,19 @@ def _settings(
         gpus=args.gpus,
         remote_stages=frozenset(args.remote_stage),
         heartbeat_timeout=args.omni_heartbeat_timeout,
+        pipeline=args.pipeline,
+        execution_types=dict(types),
+        denoise_step_s=args.denoise_step_seconds,
+        slow_denoise_step_s=args.slow_denoise_step_seconds,
     )
 
 
 def _run_head(
-    args: argparse.Namespace, topology: Topology, faults: tuple[Fault, ...], state_dir: Path
+    args: argparse.Namespace,
+    topology: Topology,
+    faults: tuple[Fault, ...],
+    state_dir: Path,
+    types: Mapping[int, ExecutionType],
 ) -> int:
     # Imported here so that `--help` and the stage processes stay light.
     from omni_watchdog.sim.server import (
@@ -246,7 +311,7 @@ def _run_head(
     except _Invalid as error:
         print(f"omni-watchdog sim: {error}", file=sys.stderr)
         return 2
-    settings = _settings(args, topology, faults, state_dir, listener.getsockname()[1])
+    settings = _settings(args, topology, faults, state_dir, listener.getsockname()[1], types)
     try:
         server = SimServer(settings, listener, master)
     except SimError as error:
@@ -276,7 +341,11 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _run_headless(
-    args: argparse.Namespace, topology: Topology, faults: tuple[Fault, ...], state_dir: Path
+    args: argparse.Namespace,
+    topology: Topology,
+    faults: tuple[Fault, ...],
+    state_dir: Path,
+    types: Mapping[int, ExecutionType],
 ) -> int:
     from omni_watchdog.sim.headless import HeadlessStage
     from omni_watchdog.sim.server import SimError, stage_specs
@@ -285,7 +354,7 @@ def _run_headless(
         level=logging.INFO, format="(HeadlessStage pid=%(process)d) %(levelname)s %(message)s"
     )
     # The stage has no API of its own: no port.
-    settings = _settings(args, topology, faults, state_dir, port=0)
+    settings = _settings(args, topology, faults, state_dir, 0, types)
     try:
         specs = [
             replace(spec, master_heartbeat_s=MASTER_HEARTBEAT_S)

@@ -19,6 +19,7 @@ from typing import Any
 
 from omni_watchdog.sim.faults import Fault, FaultKind, record_fault_triggered
 from omni_watchdog.sim.nvml import MIB, GpuAllocations
+from omni_watchdog.sim.pipelines import ExecutionType
 
 logger = logging.getLogger("omni_watchdog.sim")
 
@@ -45,6 +46,11 @@ while time.monotonic() < end:
     pass
 """
 BUSY_PERCENT = 90
+# A denoising step's CPU work by default (a 4-step image in about 0.2 s: the tiny pipelines
+# on CPU take 11-120 ms), and under denoise-slow (a legit slow image of 4 steps of 3 s, which
+# a watchdog at its defaults once took for a hang on the real server).
+DENOISE_STEP_S = 0.05
+SLOW_DENOISE_STEP_S = 3.0
 WORDS = ("vLLM", "is", "a", "fast", "and", "easy-to-use", "library", "for", "LLM", "inference")
 INDUCTOR_TRACEBACK = """\
 Traceback (most recent call last):
@@ -85,6 +91,10 @@ class StageSpec:
     faults: tuple[FaultKind, ...] = ()
     # A headless replica's heartbeat period to its master's coordinator; 0: a local one.
     master_heartbeat_s: float = 0.0
+    execution_type: ExecutionType = ExecutionType.LLM_AR
+    # A DIFFUSION stage's CPU work per denoising step, normally and under denoise-slow.
+    denoise_step_s: float = DENOISE_STEP_S
+    slow_denoise_step_s: float = SLOW_DENOISE_STEP_S
 
     def fault(self, kind: FaultKind) -> Fault:
         return Fault(kind, self.stage_id, self.replica)
@@ -100,13 +110,14 @@ def configure_child_process() -> None:
 
 @dataclass
 class ArmedFaults:
-    """Faults waiting for the next request in this process; slowness and long steps stay
-    once fired."""
+    """Faults waiting for the next request in this process; slowness, long steps and slow
+    denoising stay once fired."""
 
     spec: StageSpec
     armed: set[FaultKind] = field(default_factory=set)
     slow: bool = False
     long_steps: bool = False
+    slow_denoising: bool = False
 
     def __post_init__(self) -> None:
         self.armed.update(self.spec.faults)
@@ -186,18 +197,27 @@ class SimEngine:
             flush()
 
     def steps(self, request: Message) -> Iterator[float]:
-        """The delay before each token of `request`; emits each token after its delay."""
+        """The delay before each engine step of `request`; emits its output after each.
+
+        An LLM_AR stage makes one token a step; an LLM_GENERATION stage (code2wav) one
+        forward over the whole request, as long as the tokens would have taken, and no text.
+        """
         delay = self.spec.token_delay * (SLOW_FACTOR if self.faults.slow else 1.0)
         count = int(request["tokens"])
+        generation = self.spec.execution_type is ExecutionType.LLM_GENERATION
+        forwards = 1 if generation else count
+        if generation:
+            delay *= count
         started = time.monotonic()
         words: list[str] = []
-        for index in range(count):
+        for index in range(forwards):
             if self.faults.long_steps and index % LONG_STEP_EVERY == LONG_STEP_EVERY - 1:
                 # One engine step that holds its thread, as a long prefill or a big batch
                 # does: in 0.30 the replica's loop, heartbeats included, waits with it.
                 time.sleep(LONG_STEP_S)
             yield delay
-            words.append(WORDS[index % len(WORDS)])
+            if not generation:
+                words.append(WORDS[index % len(WORDS)])
             self._emit({"type": "token", "request_id": request["request_id"]})
         self._gpu.set_utilization(self.spec.device, 0)
         self._emit(

@@ -33,6 +33,9 @@ class FaultKind(str, enum.Enum):
     LONG_STEPS = "long-steps"
     COMPILE = "compile"
     JIT = "jit"
+    DENOISE_BLOCK = "denoise-block"
+    DENOISE_RAISE = "denoise-raise"
+    DENOISE_SLOW = "denoise-slow"
 
 
 GENERATIONS = ("0.11", "0.30")
@@ -49,8 +52,13 @@ REQUEST_TRIGGERED = frozenset(
         FaultKind.LONG_STEPS,
         FaultKind.COMPILE,
         FaultKind.JIT,
+        FaultKind.DENOISE_BLOCK,
+        FaultKind.DENOISE_RAISE,
+        FaultKind.DENOISE_SLOW,
     }
 )
+# Faults of a diffusion stage's denoising loop: only a DIFFUSION stage has one.
+DENOISING = frozenset({FaultKind.DENOISE_BLOCK, FaultKind.DENOISE_RAISE, FaultKind.DENOISE_SLOW})
 # Faults of the whole server rather than of one stage.
 TARGET_WIDE = frozenset(
     {FaultKind.IGNORE_SIGTERM, FaultKind.ORPHANED_STAGES, FaultKind.SLOW_STARTUP}
@@ -62,6 +70,8 @@ ONLY_IN = {
     FaultKind.ENGINE_DEAD_HANG: "0.11",
     FaultKind.ENGINE_DEAD_EXIT: "0.11",
     FaultKind.STAGE_DEAD_503: "0.30",
+    # The simulator's diffusion stages are 0.30's `StageDiffusionProc`s.
+    **{kind: "0.30" for kind in DENOISING},
 }
 # Faults that shape start-up and so cannot be injected into a running server.
 START_ONLY = frozenset({FaultKind.SLOW_STARTUP})
@@ -125,9 +135,11 @@ def check_fault(
     generation: str,
     replicas: Mapping[int, int],
     remote: Collection[int] = (),
+    diffusion: Collection[int] | None = None,
 ) -> None:
     """Raise `FaultError` unless `fault` applies to this generation and topology; a stage in
-    `remote` runs headless elsewhere, out of this server's reach."""
+    `remote` runs headless elsewhere, out of this server's reach. `diffusion` names the
+    DIFFUSION stages, where a denoising fault can fire (None: not checked)."""
     check_generation(fault.kind, generation)
     if fault.kind in TARGET_WIDE:
         return
@@ -140,13 +152,21 @@ def check_fault(
         raise FaultError(f"{fault.kind.value}: no stage {fault.stage}")
     if not 0 <= fault.replica < replicas[fault.stage]:
         raise FaultError(f"{fault.kind.value}: stage {fault.stage} has no replica {fault.replica}")
+    if fault.kind in DENOISING and diffusion is not None and fault.stage not in diffusion:
+        raise FaultError(
+            f"{fault.kind.value}: stage {fault.stage} is not a diffusion stage (see --pipeline)"
+        )
 
 
-def check_headless_fault(fault: Fault, stage_id: int, replicas: int) -> None:
-    """Raise `FaultError` unless `fault` applies to a 0.30 headless stage `stage_id`."""
+def check_headless_fault(
+    fault: Fault, stage_id: int, replicas: int, diffusion: bool | None = None
+) -> None:
+    """Raise `FaultError` unless `fault` applies to a 0.30 headless stage `stage_id`;
+    `diffusion` says whether it is a DIFFUSION stage (None: not checked)."""
     if fault.kind in TARGET_WIDE:
         raise FaultError(f"{fault.kind.value} is a fault of the head, not of a headless stage")
-    check_fault(fault, "0.30", {stage_id: replicas})
+    stages = None if diffusion is None else ({stage_id} if diffusion else set())
+    check_fault(fault, "0.30", {stage_id: replicas}, diffusion=stages)
 
 
 def record_fault_triggered(state_dir: str | Path, fault: Fault, pid: int) -> None:

@@ -36,6 +36,7 @@ from omni_watchdog.sim.faults import (
 )
 from omni_watchdog.sim.nvml import write_json_atomically
 from omni_watchdog.sim.orchestrator import READY_TIMEOUT_S, Replica, spawn_replica, stop_replicas
+from omni_watchdog.sim.pipelines import ExecutionType
 from omni_watchdog.sim.stages import next_message
 from omni_watchdog.sim.wire import (
     HEADLESS_FILE,
@@ -299,7 +300,8 @@ class HeadlessStage:
             if not isinstance(document, dict):
                 raise FaultError('expected a JSON object like {"kind": "silent-stall"}')
             fault = fault_from_mapping({"stage": self._stage_id, **document})
-            check_headless_fault(fault, self._stage_id, len(self._links))
+            diffusion = self._specs[0].execution_type is ExecutionType.DIFFUSION
+            check_headless_fault(fault, self._stage_id, len(self._links), diffusion)
         except (FaultError, ValueError, RecursionError) as error:
             logger.error("%s: fault not armed: %s", FAULTS_FILE, error)
             return

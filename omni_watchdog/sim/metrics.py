@@ -8,8 +8,11 @@ exists from start.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from omni_watchdog.sim.pipelines import ExecutionType
 from omni_watchdog.types import Topology
 
 ENGINE = "0"
@@ -25,7 +28,11 @@ class SimMetrics:
     """Counters and gauges of the API process, updated from the stages' progress reports."""
 
     def __init__(
-        self, topology: Topology, model_name: str, gauges_follow_batches: bool = False
+        self,
+        topology: Topology,
+        model_name: str,
+        gauges_follow_batches: bool = False,
+        execution_types: Mapping[int, ExecutionType] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self._model = model_name
@@ -35,6 +42,15 @@ class SimMetrics:
         self._gauges_follow_batches = gauges_follow_batches
         self._running: dict[tuple[int, int], int] = {}
         self._stage_types = {s.stage_id: STAGE_TYPES.get(s.name, "llm") for s in topology.stages}
+        # A DIFFUSION stage runs no vLLM engine, so it has none of the engines' `vllm:`
+        # series: its requests show in the `vllm_omni:` families only.
+        self._diffusion = {
+            stage_id
+            for stage_id, kind in (execution_types or {}).items()
+            if kind is ExecutionType.DIFFUSION
+        }
+        for stage_id in self._diffusion:
+            self._stage_types[stage_id] = "diffusion"
         registry = self.registry
         self.running = Gauge(
             "vllm:num_requests_running",
@@ -111,6 +127,8 @@ class SimMetrics:
                 model_name, str(stage.stage_id), self._stage_types[stage.stage_id]
             )
             for ref in stage.refs():
+                if ref.stage_id in self._diffusion:
+                    continue
                 labels = self._labels(ref.stage_id, ref.replica)
                 for family in (
                     self.running,
@@ -126,14 +144,16 @@ class SimMetrics:
 
     def queued(self, stage: int, replica: int) -> None:
         """A request was handed to a stage replica."""
-        self.waiting.labels(*self._labels(stage, replica)).inc()
+        if stage not in self._diffusion:
+            self.waiting.labels(*self._labels(stage, replica)).inc()
         self.stage_waiting.labels(self._model, str(stage)).inc()
         self.pipeline_waiting.labels(self._model).inc()
 
     def started(self, stage: int, replica: int, prompt_tokens: int) -> None:
         """The stage replica began working on a request: like vLLM, prefill counts then."""
-        self.prompt_tokens.labels(*self._labels(stage, replica)).inc(prompt_tokens)
-        self.waiting.labels(*self._labels(stage, replica)).dec()
+        if stage not in self._diffusion:
+            self.prompt_tokens.labels(*self._labels(stage, replica)).inc(prompt_tokens)
+            self.waiting.labels(*self._labels(stage, replica)).dec()
         self.stage_waiting.labels(self._model, str(stage)).dec()
         self.pipeline_waiting.labels(self._model).dec()
         self._count_running(stage, replica, +1, batch=True)
@@ -159,13 +179,16 @@ class SimMetrics:
             self._count_running(stage, replica, -1, batch=True)
             self.pipeline_running.labels(self._model).dec()
         else:
-            self.waiting.labels(*self._labels(stage, replica)).dec()
+            if stage not in self._diffusion:
+                self.waiting.labels(*self._labels(stage, replica)).dec()
             self.stage_waiting.labels(self._model, str(stage)).dec()
             self.pipeline_waiting.labels(self._model).dec()
 
     def _count_running(self, stage: int, replica: int, change: int, batch: bool) -> None:
         count = self._running.get((stage, replica), 0) + change
         self._running[(stage, replica)] = count
+        if stage in self._diffusion:
+            return
         if batch or not self._gauges_follow_batches:
             self.running.labels(*self._labels(stage, replica)).set(count)
 

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_watchdog.instrument.telemetry import StageTelemetry
+from omni_watchdog.sim.diffusion import diffusion_proc_main
 from omni_watchdog.sim.engine import Message, StageSpec
 from omni_watchdog.sim.faults import Fault
 from omni_watchdog.sim.metrics import SimMetrics
+from omni_watchdog.sim.pipelines import ExecutionType
 from omni_watchdog.sim.stages import stage_replica_main, stage_worker_main
 from omni_watchdog.types import Topology
 
@@ -289,8 +291,11 @@ class Orchestrator:
         replica = self.replicas[(fault.stage, fault.replica)]
         replica.in_q.put({"type": "fault", "kind": fault.kind.value})
 
-    async def generate(self, request_id: str, prompt_tokens: int, tokens: int) -> Completion:
-        """Run one request through every stage of the default path, in order.
+    async def generate(
+        self, request_id: str, prompt_tokens: int, tokens: int, steps: int | None = None
+    ) -> Completion:
+        """Run one request through every stage of the default path, in order; `steps` is
+        what it asks of a diffusion stage (its denoising steps; None: the stage's default).
 
         A request that does not get through (its client went away, a stage failed) is
         reported abandoned, and one that does finished, as the watchdog's plugin reports
@@ -299,7 +304,7 @@ class Orchestrator:
         path = self.topology.default_path()
         self._telemetry.request_admitted(request_id, path)
         try:
-            completion = await self._through_stages(request_id, path, prompt_tokens, tokens)
+            completion = await self._through_stages(request_id, path, prompt_tokens, tokens, steps)
         except BaseException:
             self._telemetry.request_abandoned(request_id)
             raise
@@ -307,7 +312,12 @@ class Orchestrator:
         return completion
 
     async def _through_stages(
-        self, request_id: str, path: tuple[int, ...], prompt_tokens: int, tokens: int
+        self,
+        request_id: str,
+        path: tuple[int, ...],
+        prompt_tokens: int,
+        tokens: int,
+        steps: int | None,
     ) -> Completion:
         first: Message | None = None
         for stage_id in path:
@@ -315,14 +325,15 @@ class Orchestrator:
             pending = PendingStage(request_id, asyncio.Event(), prompt_tokens)
             replica.inflight[request_id] = pending
             self._metrics.queued(stage_id, replica.spec.replica)
-            replica.in_q.put(
-                {
-                    "type": "request",
-                    "request_id": request_id,
-                    "tokens": tokens,
-                    "prompt_tokens": prompt_tokens,
-                }
-            )
+            request: Message = {
+                "type": "request",
+                "request_id": request_id,
+                "tokens": tokens,
+                "prompt_tokens": prompt_tokens,
+            }
+            if steps is not None:
+                request["steps"] = steps
+            replica.in_q.put(request)
             try:
                 result = await self._wait(pending)
             finally:
@@ -369,6 +380,7 @@ class Orchestrator:
                 "stage": r.spec.stage_id,
                 "replica": r.spec.replica,
                 "name": r.spec.name,
+                "execution_type": r.spec.execution_type.value,
                 "pid": r.pid,
                 "engine_pid": r.engine_pid,
                 "alive": r.alive,
@@ -381,14 +393,17 @@ class Orchestrator:
 
 
 def spawn_replica(spec: StageSpec) -> Replica:
-    """Start one stage replica process of `spec`'s generation."""
+    """Start one stage replica process of `spec`'s generation and execution type."""
     context = mp.get_context("spawn")
     in_q, out_q = context.Queue(), context.Queue()
     if spec.generation == "0.11":
         process = context.Process(target=stage_worker_main, args=(spec, in_q, out_q))
     else:
         args = (spec, in_q, out_q, os.getpid())
-        process = context.Process(target=stage_replica_main, args=args)
+        # 0.30 runs a diffusion stage in a `StageDiffusionProc`, not an engine core.
+        diffusion = spec.execution_type is ExecutionType.DIFFUSION
+        target = diffusion_proc_main if diffusion else stage_replica_main
+        process = context.Process(target=target, args=args)
     process.start()
     return Replica(spec, process, in_q, out_q)
 

@@ -12,9 +12,9 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from omni_watchdog.instrument.admin import add_aiohttp_admin_route
 from omni_watchdog.instrument.telemetry import StageTelemetry
 from omni_watchdog.sim.coordinator import Coordinator
-from omni_watchdog.sim.engine import StageSpec
+from omni_watchdog.sim.engine import DENOISE_STEP_S, SLOW_DENOISE_STEP_S, StageSpec
 from omni_watchdog.sim.faults import (
     EVENTS_FILE,
     START_ONLY,
@@ -38,6 +38,7 @@ from omni_watchdog.sim.faults import (
 from omni_watchdog.sim.metrics import SimMetrics
 from omni_watchdog.sim.nvml import DEFAULT_DEVICE_BYTES, write_json_atomically
 from omni_watchdog.sim.orchestrator import Completion, Orchestrator, StageFailed
+from omni_watchdog.sim.pipelines import MAX_DENOISE_STEPS, ExecutionType
 from omni_watchdog.sim.wire import DEFAULT_HEARTBEAT_TIMEOUT_S
 from omni_watchdog.types import Topology
 
@@ -70,6 +71,19 @@ class SimSettings:
     # Stages that run headless on other hosts and register with the coordinator (0.30).
     remote_stages: frozenset[int] = frozenset()
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    # The pipeline the stages run (`--pipeline`), and each stage's execution type; a stage
+    # not named is an LLM_AR stage.
+    pipeline: str | None = None
+    execution_types: Mapping[int, ExecutionType] = field(default_factory=dict)
+    denoise_step_s: float = DENOISE_STEP_S
+    slow_denoise_step_s: float = SLOW_DENOISE_STEP_S
+
+    def diffusion_stages(self) -> frozenset[int]:
+        return frozenset(
+            stage_id
+            for stage_id, kind in self.execution_types.items()
+            if kind is ExecutionType.DIFFUSION
+        )
 
 
 class SimError(ValueError):
@@ -104,6 +118,11 @@ def stage_specs(settings: SimSettings) -> list[StageSpec]:
                     state_dir=str(settings.state_dir),
                     token_delay=settings.token_delay,
                     faults=faults,
+                    execution_type=settings.execution_types.get(
+                        stage.stage_id, ExecutionType.LLM_AR
+                    ),
+                    denoise_step_s=settings.denoise_step_s,
+                    slow_denoise_step_s=settings.slow_denoise_step_s,
                 )
             )
     return specs
@@ -120,7 +139,10 @@ class SimServer:
         self._listener = listener
         self._replica_counts = {s.stage_id: s.replicas for s in settings.topology.stages}
         self.metrics = SimMetrics(
-            settings.topology, settings.model, gauges_follow_batches=settings.generation == "0.30"
+            settings.topology,
+            settings.model,
+            gauges_follow_batches=settings.generation == "0.30",
+            execution_types=settings.execution_types,
         )
         self.telemetry = StageTelemetry.from_environment(process_kind="api")
         self._shutdown = asyncio.Event()
@@ -177,6 +199,7 @@ class SimServer:
         await self._on_orchestrator(self.orchestrator.start)
         if self.coordinator is not None:
             await self._on_orchestrator(self.coordinator.start)
+        logger.info("stages: %s", self._describe_stages())
         await self._slow_startup()
         for fault in self.settings.faults:
             self._apply_now(fault)
@@ -199,6 +222,15 @@ class SimServer:
             self._orchestrator_loop.call_soon_threadsafe(self._orchestrator_loop.stop)
         self.telemetry.shutdown()
         return 0
+
+    def _describe_stages(self) -> str:
+        """Each stage with its execution type, e.g. `0 text (LLM_AR), 1 dit (DIFFUSION)`."""
+        types = self.settings.execution_types
+        return ", ".join(
+            f"{stage.stage_id} {stage.name} "
+            f"({types.get(stage.stage_id, ExecutionType.LLM_AR).value})"
+            for stage in self.settings.topology.stages
+        )
 
     async def _slow_startup(self) -> None:
         seconds = self.settings.startup_seconds
@@ -270,10 +302,11 @@ class SimServer:
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS
         tokens = min(max_tokens, self.settings.max_tokens_cap)
         prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
+        steps = body.get("num_inference_steps")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             completion: Completion = await self._on_orchestrator(
-                lambda: self.orchestrator.generate(request_id, prompt_tokens, tokens)
+                lambda: self.orchestrator.generate(request_id, prompt_tokens, tokens, steps)
             )
         except StageFailed as error:
             return _error(500, "InternalServerError", str(error))
@@ -307,7 +340,11 @@ class SimServer:
                 raise FaultError('expected a JSON object like {"kind": "silent-stall"}')
             fault = fault_from_mapping(document)
             check_fault(
-                fault, self.settings.generation, self._replica_counts, self.settings.remote_stages
+                fault,
+                self.settings.generation,
+                self._replica_counts,
+                self.settings.remote_stages,
+                self.settings.diffusion_stages(),
             )
             if fault.kind in START_ONLY:
                 raise FaultError(f"{fault.kind.value} can only be given at start (--fault)")
@@ -325,6 +362,7 @@ class SimServer:
         return web.json_response(
             {
                 "generation": self.settings.generation,
+                "pipeline": self.settings.pipeline,
                 "api_pid": os.getpid(),
                 "healthy": self.orchestrator.healthy(),
                 "stages": self.orchestrator.state(),
@@ -350,6 +388,11 @@ def _chat_problem(body: Any, model: str) -> tuple[int, str] | None:
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         return 400, "max_tokens: expected a positive integer"
+    steps = body.get("num_inference_steps")
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, int) or not 0 < steps <= MAX_DENOISE_STEPS
+    ):
+        return 400, f"num_inference_steps: expected 1 to {MAX_DENOISE_STEPS}"
     return None
 
 

@@ -43,7 +43,7 @@ HELPER_CHILD_FAULTS = frozenset({FaultKind.ESCAPED_CHILD, FaultKind.ZOMBIE})
 ENGINE_DEATHS = frozenset({FaultKind.ENGINE_DEAD_HANG, FaultKind.ENGINE_DEAD_EXIT})
 
 
-def _get(source: Any, timeout: float) -> Message | None:
+def get_message(source: Any, timeout: float) -> Message | None:
     try:
         message: Message = source.get(timeout=timeout)
     except queue.Empty:
@@ -53,7 +53,7 @@ def _get(source: Any, timeout: float) -> Message | None:
 
 async def next_message(source: Any, timeout: float = POLL_S) -> Message | None:
     """The next message of an mp.Queue without blocking the loop, or None after `timeout`."""
-    return await asyncio.get_running_loop().run_in_executor(None, _get, source, timeout)
+    return await asyncio.get_running_loop().run_in_executor(None, get_message, source, timeout)
 
 
 class HelperChildren:
@@ -70,7 +70,7 @@ class HelperChildren:
         self._emit({"type": "child", "kind": kind.value, "pid": child.pid})
 
 
-def _telemetry(spec: StageSpec) -> StageTelemetry:
+def stage_telemetry(spec: StageSpec) -> StageTelemetry:
     return StageTelemetry.from_environment(
         process_kind="stage", stage_id=spec.stage_id, stage_name=spec.name, replica=spec.replica
     )
@@ -127,7 +127,7 @@ def stage_worker_main(spec: StageSpec, in_q: Any, out_q: Any) -> None:
 
 async def _stage_worker_async(spec: StageSpec, in_q: Any, out_q: Any) -> None:
     """The 0.11 stage loop: one request at a time through its EngineCore child."""
-    telemetry = _telemetry(spec)
+    telemetry = stage_telemetry(spec)
     heartbeats = asyncio.create_task(telemetry.heartbeat_loop())
     gpu = GpuAllocations(spec.state_dir)
     gpu.hold_memory(spec.device, CONTEXT_BYTES)
@@ -182,7 +182,7 @@ async def _stage_worker_async(spec: StageSpec, in_q: Any, out_q: Any) -> None:
     telemetry.shutdown()
 
 
-def _set_parent_death_signal() -> None:
+def set_parent_death_signal() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
@@ -190,7 +190,7 @@ def _set_parent_death_signal() -> None:
 
 def stage_replica_main(spec: StageSpec, in_q: Any, out_q: Any, parent_pid: int) -> None:
     """Entry point of a 0.30 stage replica: the stage's engine itself, with no child."""
-    _set_parent_death_signal()
+    set_parent_death_signal()
     if os.getppid() != parent_pid:
         return  # the parent died before the death signal was armed
     from setproctitle import setproctitle
@@ -200,7 +200,7 @@ def stage_replica_main(spec: StageSpec, in_q: Any, out_q: Any, parent_pid: int) 
     asyncio.run(_stage_replica_async(spec, in_q, out_q))
 
 
-def _beat_to_master(out_q: Any, interval: float) -> None:
+def beat_to_master(out_q: Any, interval: float) -> None:
     """A headless replica's heartbeats to the master, from a thread of their own: as in
     vLLM-Omni 0.30 they are off the forward path, so a blocked forward keeps beating while a
     stopped or killed process falls silent."""
@@ -214,7 +214,7 @@ def _beat_to_master(out_q: Any, interval: float) -> None:
 
 async def _stage_replica_async(spec: StageSpec, in_q: Any, out_q: Any) -> None:
     """The 0.30 replica loop: it generates on its own loop."""
-    telemetry = _telemetry(spec)
+    telemetry = stage_telemetry(spec)
     heartbeats = asyncio.create_task(telemetry.heartbeat_loop())
     gpu = GpuAllocations(spec.state_dir)
     gpu.hold_memory(spec.device, spec.memory_bytes)
@@ -227,7 +227,7 @@ async def _stage_replica_async(spec: StageSpec, in_q: Any, out_q: Any) -> None:
             children.start(kind)
     if spec.master_heartbeat_s > 0:
         threading.Thread(
-            target=_beat_to_master, args=(out_q, spec.master_heartbeat_s), daemon=True
+            target=beat_to_master, args=(out_q, spec.master_heartbeat_s), daemon=True
         ).start()
     emit({"type": "ready", "pid": os.getpid(), "engine_pid": None})
     while True:

@@ -192,6 +192,54 @@ CASES = {
         False,
         "waited 1.5s of 2.0s for a CPU",
     ),
+    "a thread waiting for a CPU in inductor frames is compiling, slowly": (
+        readings(
+            (Thread(state="R", wchan="", ran=0.6, waited=1.2, frames=(INDUCTOR, FORWARD)),),
+            stacks=True,
+        ),
+        SilenceCause.COMPILING,
+        True,
+        "at 30% CPU in codegen (/venv/lib/python3.11/site-packages/torch/_inductor/codegen/cpp.py),"
+        " waited 1.2s of 2.0s for a CPU",
+    ),
+    "a thread barely run, waiting for a CPU in frames that name no work, is starved": (
+        readings(
+            (Thread(state="R", wchan="", ran=0.1, waited=1.2, frames=(FORWARD, STEP)),),
+            stacks=True,
+        ),
+        SilenceCause.STARVED,
+        False,
+        "thread 100 waited 1.2s of 2.0s for a CPU",
+    ),
+    "spinning in one frame, holding the GIL, on a host that makes it wait is spinning": (
+        # Measured on the real vLLM-Omni beside another server on two cores: the spinning
+        # forward ran 7.1 s and waited 13.1 s of 15 s, and was judged starved.
+        readings(
+            (Thread(state="R", wchan="", ran=0.8, waited=1.1, frames=(FORWARD, STEP), gil=True),),
+            stacks=True,
+        ),
+        SilenceCause.SPINNING,
+        False,
+        "in the same frames, holding the GIL",
+    ),
+    "busy with moving frames while a side thread waits for a CPU is computing": (
+        readings(
+            (
+                Thread(
+                    state="R",
+                    wchan="",
+                    ran=2.0,
+                    frames=("matmul (/models/tiny.py)", FORWARD, STEP),
+                    frames_before=("softmax (/models/tiny.py)", FORWARD, STEP),
+                ),
+                Thread(state="R", wchan="", ran=0.1, waited=0.5, tid=PID + 1),
+            ),
+            stacks=True,
+        ),
+        SilenceCause.COMPUTING,
+        True,
+        "its frames moving",
+    ),
     "busy in inductor frames is compiling in-process, advancing": (
         readings((Thread(state="R", wchan="", ran=1.9, frames=(INDUCTOR, FORWARD)),), stacks=True),
         SilenceCause.COMPILING,

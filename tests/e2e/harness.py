@@ -249,7 +249,13 @@ def watchdog_account(watchdog: Any) -> str:
     """What a failed test prints of a watchdog: each stage's last state with its evidence,
     every incident with its verdicts and steps, and its own health."""
     report = watchdog.state.report
-    lines = [f"self-health: {watchdog.state.self_health}"]
+    spans = watchdog.receiver.stats
+    refused = {reason: n for reason, n in spans.spans_rejected.items() if n}
+    lines = [
+        f"self-health: {watchdog.state.self_health}",
+        f"spans: {spans.spans_accepted} accepted, refused {refused or 'none'}, requests"
+        f" { ({code: n for code, n in spans.requests.items() if n}) }",
+    ]
     if report is None:
         lines.append("never judged")
     else:

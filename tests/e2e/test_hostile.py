@@ -197,6 +197,10 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
         # An engine stopped by SIGSTOP, heartbeats and spans forged in its own name (pid
         # and start read from /proc): the stopped process outweighs them.
         ("frozen-engine", "the stage's own process"),
+        # A stage loop asleep in a deadlock, heartbeats and successful stage spans forged
+        # in its own name and in the API server's: the connection they come on is not
+        # theirs.
+        ("silent-stall", "the stage's own process and the API server's"),
     ],
 )
 def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: str) -> None:
@@ -206,13 +210,20 @@ def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: st
             server,
         ):
             await warmed_up(watchdog)
-            if forger == "outsider":
-                sender = outsider()
-            else:
-                engine = next(p for p in watchdog.tracker.live() if p.stage == S0)
-                sender = {PROCESS_PID: engine.pid, **sender_attributes(engine.pid)}
+            engine = next(p for p in watchdog.tracker.live() if p.stage == S0).pid
+            claimed = {
+                "outsider": [],
+                "the stage's own process": [engine],
+                "the stage's own process and the API server's": [engine, server.process.pid],
+            }[forger]
+            senders = [{PROCESS_PID: pid, **sender_attributes(pid)} for pid in claimed]
+            refused_before = dict(watchdog.receiver.stats.spans_rejected)
             stop = asyncio.Event()
-            forging = asyncio.create_task(forge(traces_url(watchdog), sender, [0], stop))
+            url = traces_url(watchdog)
+            forging = [
+                asyncio.create_task(forge(url, sender, [0], stop))
+                for sender in senders or [outsider()]
+            ]
             await asyncio.sleep(1)
             await with_fault(server, {"kind": fault, "stage": 0})
             in_background(server.url)
@@ -220,9 +231,13 @@ def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: st
                 incident = await incident_done(watchdog, 60)
             finally:
                 stop.set()
-                await forging
+                await asyncio.gather(*forging)
             (verdict,) = incident.verdicts
             assert (verdict.stage, verdict.state) == (S0, StageState.STALLED), incident.cause
+            if forger != "outsider":
+                # Refused for what they are, not only outweighed.
+                refused = watchdog.receiver.stats.spans_rejected
+                assert refused["unproven_sender"] > refused_before["unproven_sender"], refused
             assert incident.outcome in (
                 IncidentOutcome.RECOVERED_BY_SHUTDOWN,
                 IncidentOutcome.RECOVERED_BY_TERM,

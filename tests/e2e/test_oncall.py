@@ -242,8 +242,9 @@ def test_actions_need_the_operator_token(
             await wait_for(
                 lambda: watchdog.state.remediation.operator_actions.get(("pause", outcome)), 5
             )
-            (action,) = journaled(watchdog)
-            assert (action.action, action.outcome) == ("pause", outcome)
+            # Only an action that came with the token is journaled: anyone can send the rest.
+            expected = [("pause", outcome)] if code == 0 else []
+            assert [(a.action, a.outcome) for a in journaled(watchdog)] == expected
             # Reads stay open whatever the token.
             status_code, _, _ = await oncall(watchdog, "status", token=None)
             assert status_code == 0

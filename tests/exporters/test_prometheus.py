@@ -109,7 +109,7 @@ def test_every_family_of_the_contract_is_present(scripted: Scripted) -> None:
     # The parser names counters without their _total suffix.
     expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
     assert names == expected
-    assert len(FAMILY_NAMES) == 49
+    assert len(FAMILY_NAMES) == 53
 
 
 def test_content_type_is_the_text_format() -> None:

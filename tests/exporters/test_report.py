@@ -23,8 +23,25 @@ from exporters.report_bundle import (
 )
 
 from omni_watchdog.exporters.report import STACK_FRAMES_SHOWN, render_incident_report
+from omni_watchdog.semconv import (
+    DENOISE_STEP_COUNT,
+    DENOISE_STEP_INDEX,
+    DENOISE_STEP_SECONDS,
+    DENOISE_STEP_SPAN,
+    DIFFUSION_REQUEST_SPAN,
+)
 
-SECTIONS = ("summary", "timeline", "evidence", "steps", "gpu", "stacks", "processes", "actions")
+SECTIONS = (
+    "summary",
+    "timeline",
+    "evidence",
+    "steps",
+    "gpu",
+    "denoising",
+    "stacks",
+    "processes",
+    "actions",
+)
 SCRIPT = "<script>alert(1)</script>"
 ESCAPED_SCRIPT = "&lt;script&gt;alert(1)&lt;/script&gt;"
 VOID_ELEMENTS = frozenset(
@@ -416,6 +433,17 @@ def test_untrusted_strings_are_escaped_everywhere() -> None:
     assert all("onerror" not in node.attrs for node in tree.root.walk())
 
 
+def test_characters_that_do_not_print_never_reach_the_page() -> None:
+    """The target's command line is saved as the kernel gave it: an escape sequence or a
+    bidi override in it is shown as a replacement character, the rest as it was."""
+    title = "python \x1b[2J\x1b]0;owned\x07serve \u202egnp.exe --model m"
+    files = sample_files(replace={"processes.json": json.dumps(processes(api_title=title))})
+    document = render(files=files)
+    assert "\x1b" not in document and "\x07" not in document and "\u202e" not in document
+    text = section(parse(document), "processes").all_text()
+    assert "python \ufffd[2J\ufffd]0;owned\ufffdserve \ufffdgnp.exe --model m" in text
+
+
 def test_text_that_utf8_cannot_encode_still_gives_a_saveable_page() -> None:
     files = sample_files(replace={f"stacks/{API_PID}.txt": "Thread 1 (idle)\n    f (\udcff.py:1)"})
     render(files=files).encode("utf-8")
@@ -483,3 +511,44 @@ def test_a_stalled_verdict_names_what_the_stage_was_doing() -> None:
     # The detail is shown as text, escaped: a frame's name is the stage's to choose.
     assert "(nothing advancing): pid 4101: thread 4101 at 100% CPU" in cause.all_text()
     assert "in the same frames: <forward>" in cause.all_text()
+
+
+def step_span(
+    request: str, step: int, steps: int, at: float, previous: float | None
+) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        DENOISE_STEP_INDEX: step,
+        DENOISE_STEP_COUNT: steps,
+    }
+    if previous is not None:
+        attributes[DENOISE_STEP_SECONDS] = previous
+    return {
+        "name": DENOISE_STEP_SPAN,
+        "request_id": request,
+        "start_unix_nano": int(at * 1e9),
+        "attributes": attributes,
+    }
+
+
+def test_denoising_shows_each_request_at_its_latest_step_and_the_stage_s_pace() -> None:
+    spans = {
+        "ring_size": 256,
+        "stages": {
+            "1.0": [
+                step_span("img-7", 36, 50, OPENED - 1.0, 0.4),
+                step_span("img-7", 37, 50, OPENED - 0.6, 0.35),
+                # A request that ended (its diffusion request span) is not in flight.
+                step_span("img-6", 50, 50, OPENED - 9.0, 0.3),
+                {"name": DIFFUSION_REQUEST_SPAN, "request_id": "img-6", "attributes": {}},
+                {"name": "omni.stage.loop", "attributes": {DENOISE_STEP_INDEX: "junk"}},
+            ]
+        },
+        "pids": {},
+    }
+    part = section(
+        parse(render(files=sample_files(replace={"spans.json": json.dumps(spans)}))), "denoising"
+    )
+    cells = [td.all_text() for td in part.find("td")]
+    assert cells[:4] == ["1.0", "img-7", "37/50", "0.35 s"]
+    assert "img-6" not in cells
+    assert section(parse(render()), "denoising").find("p")[0].all_text() == "none"

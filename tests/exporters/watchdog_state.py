@@ -281,10 +281,46 @@ def scripted_state(
             if ref not in (silent, never_seen)
         ]
     )
+    # One request that stage 0 failed (the server answered it with an error), and one it
+    # denoises, as a diffusion stage tells its steps.
+    feed(
+        [
+            Observation(
+                ObservationKind.STAGE_SPAN,
+                now,
+                stage=StageRef(0),
+                request_id="req-failed",
+                value=0.5,
+                outcome=SpanOutcome.ERROR,
+                detail="RuntimeError: injected",
+            ),
+            Observation(
+                ObservationKind.DENOISE_STEP,
+                now,
+                stage=StageRef(0),
+                request_id="req-image",
+                step=1,
+                steps=50,
+            ),
+        ]
+    )
 
     now = clock.advance(13.0)
     health = Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK, value=0.01)
     feed([health])
+    feed(
+        [
+            Observation(
+                ObservationKind.DENOISE_STEP,
+                now,
+                stage=StageRef(0),
+                request_id="req-image",
+                step=37,
+                steps=50,
+                value=0.35,
+            )
+        ]
+    )
     feed(beats(now, (never_seen, silent)))
     gpu = _gpu_reading(processes, gpus, now, silent)
     feed(observations_of(gpu))

@@ -6,6 +6,7 @@ import asyncio
 import queue
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any, cast
 
 import pytest
 
-from omni_watchdog.instrument import hooks, plugin
+from omni_watchdog.instrument import diffusion, hooks, plugin
 from omni_watchdog.instrument.hooks import HookContext, ProcessIdentity, pipeline_stages
 from omni_watchdog.instrument.telemetry import StageTelemetry
 from omni_watchdog.types import Stage
@@ -36,6 +37,26 @@ class FakeTelemetry:
         self.stage_requests: list[dict[str, Any]] = []
         self.loops: list[asyncio.AbstractEventLoop] = []
         self.topologies: list[tuple[Stage, ...]] = []
+        self.steps: list[tuple[str, int, int, float | None]] = []
+        self.diffusion_requests: list[dict[str, Any]] = []
+
+    def denoise_step(
+        self, request_id: str, step: int, steps: int, previous_seconds: float | None
+    ) -> None:
+        self.steps.append((request_id, step, steps, previous_seconds))
+
+    def diffusion_request(
+        self,
+        request_id: str,
+        start_ns: int,
+        end_ns: int,
+        phases_ms: tuple[float, float, float],
+        steps: tuple[int, int],
+        error: BaseException | None = None,
+    ) -> None:
+        self.diffusion_requests.append(
+            {"id": request_id, "phases": phases_ms, "steps": steps, "error": error}
+        )
 
     def heartbeat(self) -> None:
         self.heartbeats += 1
@@ -76,6 +97,8 @@ class Fixture:
     clock: FakeClock
     environ: dict[str, str]
     made: dict[ProcessIdentity, FakeTelemetry] = field(default_factory=dict)
+    # The names of the threads hooks asked for; none is started.
+    threads: list[str] = field(default_factory=list)
 
 
 @pytest.fixture
@@ -83,6 +106,7 @@ def fx() -> Fixture:
     clock = FakeClock()
     environ: dict[str, str] = {}
     made: dict[ProcessIdentity, FakeTelemetry] = {}
+    threads: list[str] = []
 
     def make(identity: ProcessIdentity) -> Any:
         made[identity] = FakeTelemetry(identity)
@@ -94,8 +118,9 @@ def fx() -> Fixture:
         environ=environ,
         monotonic=lambda: clock.now,
         wall_ns=lambda: int(clock.now * 1e9),
+        start_thread=lambda name, target: threads.append(name),
     )
-    return Fixture(context, clock, environ, made)
+    return Fixture(context, clock, environ, made, threads)
 
 
 @pytest.fixture
@@ -552,3 +577,269 @@ def test_api_server_gets_the_route_where_asked_for(
         at_exit=lambda function: None,
     )
     assert ("build_app_route" in api_plugin.register_general()) is route_hooked
+
+
+class FakeDiT:
+    """A module that runs forward pre-hooks as `torch.nn.Module` does; after each call
+    `after_step` runs (the test's look from the telling thread)."""
+
+    def __init__(self, clock: FakeClock, step_seconds: float) -> None:
+        self._clock = clock
+        self._step_seconds = step_seconds
+        self._before: list[Callable[..., None]] = []
+        self.after_step: Callable[[], None] = lambda: None
+
+    def register_forward_pre_hook(self, hook: Callable[..., None]) -> None:
+        self._before.append(hook)
+
+    def __call__(self) -> None:
+        for hook in self._before:
+            hook(self, ())
+        self._clock.now += self._step_seconds
+        self.after_step()
+
+
+def fake_runner(
+    register: Callable[[str], types.ModuleType], clock: FakeClock, step_seconds: float
+) -> type[Any]:
+    class Pipeline:
+        def __init__(self) -> None:
+            self.transformer = FakeDiT(clock, step_seconds)
+            self.fail = False
+
+        def forward(self, requests: list[Any]) -> None:
+            clock.now += 0.5  # encode the prompt
+            for _ in range(requests[0].sampling_params.num_inference_steps):
+                self.transformer()
+                if self.fail:
+                    raise RuntimeError("fault injected into a denoising step")
+            clock.now += 0.25  # decode the latents
+
+    class DiffusionModelRunner:
+        def __init__(self) -> None:
+            self.od_config = types.SimpleNamespace(stage_id=1)
+            self.pipeline = Pipeline()
+
+        def _execute_request_list(self, reqs: list[Any], *, od_config: Any) -> str:
+            self.pipeline.forward(reqs)
+            return "outputs"
+
+    module = register("vllm_omni.diffusion.worker.diffusion_model_runner")
+    module.DiffusionModelRunner = DiffusionModelRunner  # type: ignore[attr-defined]
+    return DiffusionModelRunner
+
+
+def image_request(request_id: str, steps: int) -> Any:
+    return types.SimpleNamespace(
+        request_id=request_id, sampling_params=types.SimpleNamespace(num_inference_steps=steps)
+    )
+
+
+def looking_every(fx: Fixture, runner: Any, interval: float) -> None:
+    """After each DiT call, the telling thread's look once `interval` has passed."""
+    due = [fx.clock.now + interval]
+
+    def after_step() -> None:
+        if fx.clock.now >= due[0]:
+            due[0] = fx.clock.now + interval
+            getattr(runner, diffusion.DENOISING_ATTRIBUTE).look()
+
+    runner.pipeline.transformer.after_step = after_step
+
+
+def test_a_denoising_step_is_told_at_a_look_only_when_one_began_since(fx: Fixture) -> None:
+    telemetry = FakeTelemetry(ProcessIdentity("stage", 1, 0))
+    progress = diffusion.DenoisingProgress(cast(StageTelemetry, telemetry), fx.context)
+    progress.begin([("img-1", 4)])
+    progress.look()
+    assert telemetry.steps == []  # no step yet
+    fx.clock.now = 0.5
+    progress.count_step()
+    fx.clock.now = 1.0
+    progress.look()
+    fx.clock.now = 2.0
+    progress.look()  # the step goes on: nothing new to tell
+    fx.clock.now = 3.5
+    progress.count_step()
+    fx.clock.now = 4.0
+    progress.look()
+    assert telemetry.steps == [("img-1", 1, 4, None), ("img-1", 2, 4, 3.0)]
+    fx.clock.now = 4.5
+    progress.count_step()
+    progress.end(None)
+    progress.look()  # after its request span, never a step of it
+    assert len(telemetry.steps) == 2
+    (request,) = telemetry.diffusion_requests
+    assert request["steps"] == (3, 4)
+    # The telling thread, asked for once in this process.
+    progress.begin([("img-2", 4)])
+    assert fx.threads == ["omni-watchdog-denoising"]
+
+
+def test_denoising_steps_are_counted_by_the_dit_pre_hook_and_told_at_most_once_a_look(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    runner_class = fake_runner(fake_modules, fx.clock, step_seconds=0.01)
+    assert diffusion.install_diffusion_runner(fx.context)
+    runner = runner_class()
+    assert runner._execute_request_list([image_request("img-0", 2)], od_config=None) == "outputs"
+    looking_every(fx, runner, 0.03)
+    assert runner._execute_request_list([image_request("img-1", 10)], od_config=None) == "outputs"
+    telemetry = fx.made[ProcessIdentity("stage", 1, 0)]
+    # 10 steps of 10 ms, a look every 30 ms: the first look after the first step (the
+    # prompt's encoding outlasted the interval), then one every third step.
+    assert [step for _, step, _, _ in telemetry.steps] == [1, 4, 7, 10]
+    assert all(steps == 10 for _, _, steps, _ in telemetry.steps)
+    assert telemetry.steps[0][3] is None
+    assert telemetry.steps[1][3] == pytest.approx(0.01)
+    first, second = telemetry.diffusion_requests
+    assert first["steps"] == (2, 2) and second["steps"] == (10, 10)
+    assert second["error"] is None
+    # The last step's end estimated by the step before it.
+    assert second["phases"] == pytest.approx((500.0, 100.0, 250.0))
+    assert fx.threads == ["omni-watchdog-denoising"]
+
+
+def test_a_denoising_step_that_raises_is_told_and_the_error_goes_on(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    runner_class = fake_runner(fake_modules, fx.clock, step_seconds=1.0)
+    diffusion.install_diffusion_runner(fx.context)
+    runner = runner_class()
+    runner.pipeline.fail = True
+    with pytest.raises(RuntimeError, match="fault injected"):
+        runner._execute_request_list([image_request("img-2", 4)], od_config=None)
+    telemetry = fx.made[ProcessIdentity("stage", 1, 0)]
+    (request,) = telemetry.diffusion_requests
+    assert request["steps"] == (1, 4)
+    assert isinstance(request["error"], RuntimeError)
+
+
+def test_a_pipeline_calling_its_dit_more_often_than_its_steps_tells_an_unknown_count(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    runner_class = fake_runner(fake_modules, fx.clock, step_seconds=1.0)
+    diffusion.install_diffusion_runner(fx.context)
+    runner = runner_class()
+    runner._execute_request_list([image_request("img-0", 1)], od_config=None)
+    looking_every(fx, runner, 1.0)
+    original = runner.pipeline.forward
+
+    def with_guidance(requests: list[Any]) -> None:
+        # Classifier-free guidance run as two DiT calls a step.
+        original(requests)
+        runner.pipeline.transformer()
+
+    runner.pipeline.forward = with_guidance
+    runner._execute_request_list([image_request("img-3", 2)], od_config=None)
+    telemetry = fx.made[ProcessIdentity("stage", 1, 0)]
+    assert [(step, steps) for _, step, steps, _ in telemetry.steps] == [(1, 2), (2, 2), (3, 0)]
+
+
+def test_the_telling_thread_tells_a_step_of_a_real_denoising_loop() -> None:
+    """The thread the plugin starts looks by itself, once a heartbeat interval."""
+    telemetry = FakeTelemetry(ProcessIdentity("stage", 0, 0), interval=0.01)
+    context = HookContext(
+        lambda identity: cast(StageTelemetry, telemetry), lambda: ProcessIdentity("stage", 0, 0)
+    )
+    progress = diffusion.DenoisingProgress(cast(StageTelemetry, telemetry), context)
+    progress.begin([("img-1", 50)])
+    progress.count_step()
+    deadline = time.monotonic() + 10.0
+    while not telemetry.steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    progress.end(None)
+    assert telemetry.steps[:1] == [("img-1", 1, 50, None)]
+
+
+def test_the_diffusion_engine_loop_beats_from_its_own_thread_only(
+    fx: Fixture, fake_modules: Callable[[str], types.ModuleType]
+) -> None:
+    class DiffusionEngine:
+        def __init__(self) -> None:
+            self.od_config = types.SimpleNamespace(stage_id=0)
+            self._cv = threading.Condition()
+            self.stop = threading.Event()
+
+        def _process_aborts_queue(self) -> None:
+            pass
+
+        def _busy_loop(self) -> None:
+            while not self.stop.is_set():
+                self._process_aborts_queue()
+                with self._cv:
+                    self._cv.wait(0.001)
+
+    module = fake_modules("vllm_omni.diffusion.diffusion_engine")
+    module.DiffusionEngine = DiffusionEngine  # type: ignore[attr-defined]
+    assert diffusion.install_diffusion_engine_loop(fx.context)
+    engine = DiffusionEngine()
+    # The start-up warm-up drains the queues on the caller's thread, before the loop runs.
+    engine._process_aborts_queue()
+    telemetry = fx.made[ProcessIdentity("stage", 0, 0)]
+    assert telemetry.heartbeats == 1
+    loop = threading.Thread(target=engine._busy_loop)
+    loop.start()
+    try:
+        for _ in range(3):
+            beats = telemetry.heartbeats
+            fx.clock.now += 1.0
+            deadline = 200
+            while telemetry.heartbeats == beats and deadline:
+                deadline -= 1
+                threading.Event().wait(0.01)
+            assert telemetry.heartbeats == beats + 1
+        # Once the loop runs, another thread's pass or wait beats nothing.
+        fx.clock.now += 1.0
+        engine.stop.set()
+        loop.join(5)
+        beats = telemetry.heartbeats
+        fx.clock.now += 1.0
+        engine._process_aborts_queue()
+        with engine._cv:
+            engine._cv.wait(0.001)
+        assert telemetry.heartbeats == beats
+    finally:
+        engine.stop.set()
+        loop.join(5)
+
+
+@pytest.mark.parametrize(
+    ("title", "target", "arguments", "keywords", "identity"),
+    [
+        # A multi-stage pipeline's diffusion subprocess, before its title is set.
+        (
+            "python",
+            "run_diffusion_proc",
+            (),
+            {"omni_stage_id": 1, "omni_replica_id": 2},
+            ProcessIdentity("stage", 1, 2),
+        ),
+        # The mp executor's worker, titled before the plugin loads.
+        (
+            "vLLM-Omni::DiffusionWorker",
+            "worker_main",
+            (0, types.SimpleNamespace(stage_id=1)),
+            {},
+            ProcessIdentity("worker", 1, 0),
+        ),
+        # A one-stage pipeline's API server, once its inline engine renamed it.
+        ("vLLM-Omni::DiffusionWorker", "", (), {}, ProcessIdentity("api")),
+        # An autoregressive stage's worker stays what it was.
+        ("VLLM::Worker", "", (), {}, ProcessIdentity("worker", 0, 0)),
+    ],
+    ids=["diffusion proc", "mp worker", "inline api", "ar worker"],
+)
+def test_diffusion_processes_are_identified(
+    title: str,
+    target: str,
+    arguments: tuple[Any, ...],
+    keywords: dict[str, Any],
+    identity: ProcessIdentity,
+) -> None:
+    def entry() -> None:
+        pass
+
+    entry.__name__ = target or "run"
+    process = types.SimpleNamespace(_target=entry, _args=arguments, _kwargs=keywords)
+    assert plugin.identify_process(title, process, {}) == identity

@@ -13,11 +13,18 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import BaseTestServer, TestServer
 from fakes import FakePsutil, info
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.policy.actuators import Actuators, SignalGuard
-from omni_watchdog.policy.capture import Capturer, find_py_spy, ptrace_in_bounding_set
+from omni_watchdog.policy.capture import (
+    MAX_CAPTURED_BODY,
+    Capturer,
+    find_py_spy,
+    ptrace_in_bounding_set,
+)
 from omni_watchdog.policy.incidents import BundleWriter, StateWriteErrors
 from omni_watchdog.policy.ladder import TargetSnapshot
 from omni_watchdog.semconv import GEN_AI_USAGE_PROMPT_TOKENS
@@ -108,14 +115,16 @@ class PySpy(Actuators):
         return 0, f'Process {pid}: {SECRET_TITLE}\n\nThread {pid} (idle): "MainThread"\n'
 
 
-def capture_with(bundles: BundleWriter, session: aiohttp.ClientSession) -> Capturer:
+def capture_with(
+    bundles: BundleWriter, session: aiohttp.ClientSession, target: str = "http://127.0.0.1:1"
+) -> Capturer:
     return Capturer(
         PySpy(),
         session,
         bundles,
         FakeClock(),
         1.0,
-        "http://127.0.0.1:1",
+        target,
         "/health",
         "/metrics",
         lambda: {"attributes": {"x.api_key": "sk-123", GEN_AI_USAGE_PROMPT_TOKENS: 12}},
@@ -173,3 +182,36 @@ def test_a_full_disk_is_counted_and_does_not_fail_the_capture(tmp_path: Path) ->
     assert "stacks of 1/1 live processes" in result.detail
     # processes, spans, gpu, one stack, /health and /metrics
     assert errors.total == 6
+
+
+def capturer_target(server: BaseTestServer) -> str:
+    return str(server.make_url("")).rstrip("/")
+
+
+def test_a_page_of_the_target_past_the_bound_is_kept_cut(tmp_path: Path) -> None:
+    """What a post-mortem needs of /metrics is at its top; a target's page must not fill
+    the state disk (a 200 MiB one was read and written whole)."""
+    huge = b"vllm:x 1\n" * (MAX_CAPTURED_BODY // 9 + 10)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=huge)
+
+    async def scenario() -> StepResult:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+            capturer = capture_with(bundles, session, capturer_target(server))
+            server_info = info(101, 100, ProcessRole.API)
+            snapshot = TargetSnapshot(
+                capturer_target(server), server_info.identity, (server_info,), None
+            )
+            incident = Incident("20260101T000000Z-abcdef", snapshot.target, Mode.ENFORCE, 0.0, "x")
+            return await capturer(incident, snapshot)
+
+    bundles = BundleWriter(tmp_path / "incidents", StateWriteErrors())
+    asyncio.run(scenario())
+    files = {p.name: p for p in bundles.files("20260101T000000Z-abcdef")}
+    kept = files["metrics.txt"].read_bytes()
+    assert kept.startswith(b"HTTP 200\nvllm:x 1\n")
+    assert len(kept) < MAX_CAPTURED_BODY + 200
+    assert kept.endswith(b"[cut at 2 MiB: the server sent more]\n")

@@ -6,6 +6,7 @@ Fake processes and clock, as in test_policy; the ladder runs through the same gu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from omni_watchdog.types import (
     Mode,
     OperatorAction,
     ProcessIdentity,
+    ProcessStatus,
     StageState,
     StageStatus,
     StepName,
@@ -184,6 +186,7 @@ def test_from_a_step_skips_the_ones_before_it_but_never_the_capture(
     [
         ("unknown incident", 404, "no incident nope"),
         ("no server", 409, "no server is attached"),
+        ("the server gone", 409, "no server is attached"),
         ("another server", 409, "was about another server"),
         ("busy", 409, "a ladder is running now"),
         ("lock held", 409, "no target lock"),
@@ -205,6 +208,12 @@ def test_an_operator_action_is_refused_with_its_reason(
                 incident_id = "nope"
             elif case == "no server":
                 target = TargetSnapshot(target.target, None, (), None)
+            elif case == "the server gone":
+                # Its processes are still recorded, every one exited: nothing to act on.
+                gone = tuple(
+                    dataclasses.replace(p, status=ProcessStatus.EXITED) for p in target.processes
+                )
+                target = TargetSnapshot(target.target, target.root, gone, None)
             elif case == "another server":
                 incident_id = planned.incident_id
                 other = ProcessIdentity(4242, 1.0)
@@ -293,6 +302,30 @@ def test_an_operators_own_ladder_is_not_held_by_a_pause(
 
     done = asyncio.run(scenario())
     assert done is not None and done.outcome is IncidentOutcome.RECOVERED_BY_TERM
+
+
+def test_an_operators_ladder_takes_over_from_an_incident_held_by_a_pause(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    """The held incident acts on nothing until the pause ends: the operator, who is not
+    held, is not refused because of it (it was: 409, "a ladder is running now")."""
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    the_0_11_tree(rig)
+
+    async def scenario() -> tuple[Incident, Incident | None]:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            task = await held_by_a_pause(policy, rig)
+            started = await policy.remediate_now(None, None, rig.snapshot())
+            held = await task
+            await policy.wait_idle()
+            return held, policy.incident(started.incident_id)
+
+    held, done = asyncio.run(scenario())
+    assert "cut short: the operator's incident" in held.cause, held.cause
+    assert held.closed is not None and "unheld" not in held.timeline
+    assert done is not None and done.outcome is IncidentOutcome.RECOVERED_BY_TERM
+    assert fake_psutil.signals == [("killpg", 100, TERM)]
 
 
 def test_a_window_ends_by_its_clock_and_a_new_pause_replaces_the_old() -> None:

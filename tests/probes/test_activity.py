@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from omni_watchdog.clock import FakeClock
-from omni_watchdog.detector.causes import process_cause
+from omni_watchdog.detector.causes import COMPARED_SPAN, process_cause
 from omni_watchdog.policy.capture import find_py_spy
 from omni_watchdog.probes.activity import (
     STACK_EVERY,
@@ -25,6 +25,7 @@ from omni_watchdog.probes.activity import (
     read_activity,
     sample_stacks,
 )
+from omni_watchdog.process_start import CLOCK_TICKS
 from omni_watchdog.types import (
     Observation,
     ProcessActivity,
@@ -90,6 +91,44 @@ def test_a_parent_waiting_on_a_busy_child_is_waiting_on_work(
     assert finding.cause is SilenceCause.WAITING_ON_CHILD and finding.working, finding
     assert f"pid {first.children[0].pid}" in finding.detail
     assert [t.wait_channel for t in later.threads if t.tid == pid] == ["do_wait"]
+
+
+# A compiler driver: its pass, a child of its own, works 0.6 s and ends; the driver then
+# sleeps, as g++ does between cc1plus and as, having used next to no CPU itself.
+DRIVER_OF_ONE_PASS = (
+    "import subprocess, sys, time\n"
+    "subprocess.run([sys.executable, '-c',"
+    " 'import time\\ne = time.monotonic() + 0.6\\nwhile time.monotonic() < e: pass'])\n"
+    "time.sleep(600)"
+)
+
+
+def test_a_child_whose_own_child_worked_and_ended_between_readings_advanced(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    pid = start(
+        started,
+        f"import subprocess, sys; subprocess.run([sys.executable, '-c', {DRIVER_OF_ONE_PASS!r}])",
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    first = reading(pid)
+    while not first.children and time.monotonic() < deadline:
+        first = reading(pid)
+    assert first.children, "the driver never started"
+    driver = first.children[0].pid
+    # Until the pass has come and gone, and the readings span enough to judge.
+    pass_seen = len(first.children) > 1
+    later = reading(pid)
+    while time.monotonic() < deadline and not (
+        pass_seen and len(later.children) == 1 and later.time - first.time >= COMPARED_SPAN
+    ):
+        time.sleep(0.05)
+        later = reading(pid)
+        pass_seen = pass_seen or len(later.children) > 1
+    assert pass_seen and [c.pid for c in later.children] == [driver], later.children
+    finding = process_cause(first, later)
+    assert finding.cause is SilenceCause.WAITING_ON_CHILD and finding.working, finding
+    assert f"pid {driver}" in finding.detail, finding
 
 
 def test_a_parent_waiting_on_a_stopped_child_waits_on_work_stopped(
@@ -239,9 +278,10 @@ def test_the_probe_reads_only_silent_stages_and_samples_stacks_at_its_pace(
 
 
 def test_a_stage_process_under_another_is_read_for_itself_not_as_its_parents_work() -> None:
-    def stat(state: str, parent: int, ticks: int) -> list[str]:
-        fields = [state, str(parent)] + ["0"] * 11
+    def stat(state: str, parent: int, ticks: int, reaped_ticks: int = 0) -> list[str]:
+        fields = [state, str(parent)] + ["0"] * 13
         fields[11] = str(ticks)
+        fields[13] = str(reaped_ticks)
         return fields
 
     table = ProcessTableReading(
@@ -254,6 +294,14 @@ def test_a_stage_process_under_another_is_read_for_itself_not_as_its_parents_wor
     # The engine core's worker is a stage process: it and what works for it are its own.
     assert [(c.pid, c.name) for c in table.descendants(100, apart={101})] == [(102, "cc1plus")]
     assert [c.name for c in table.descendants(101)] == ["python"]
+
+
+def test_a_child_s_cpu_time_holds_that_of_the_children_it_reaped() -> None:
+    fields = ["S", "100"] + ["0"] * 13
+    fields[11], fields[12], fields[13], fields[14] = "2", "1", "300", "40"
+    table = ProcessTableReading({100: [(101, "g++", fields)]})
+    (driver,) = table.descendants(100)
+    assert driver.cpu_seconds * CLOCK_TICKS == pytest.approx(343)
 
 
 def test_a_slow_stack_sample_never_makes_a_round_of_kernel_readings_stale(

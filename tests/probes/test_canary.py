@@ -15,17 +15,19 @@ from aiohttp.test_utils import TestServer
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import ProbesConfig
 from omni_watchdog.probes.canary import CanaryProbe
-from omni_watchdog.types import ObservationKind, ProbeError
+from omni_watchdog.types import CanaryPlan, ObservationKind, ProbeError
 
 CONFIG = ProbesConfig(canary_interval=3.0, canary_deadline=0.3)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class FakeServer:
-    """/v1/models and /v1/chat/completions that record what they were asked."""
+    """/v1/models, /v1/chat/completions and /v1/images/generations that record what they
+    were asked."""
 
     def __init__(self, completion: Handler | None = None, models_status: int = 200) -> None:
         self.bodies: list[Any] = []
+        self.paths: list[str] = []
         self.model_calls = 0
         self._completion = completion
         self._models_status = models_status
@@ -37,6 +39,7 @@ class FakeServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
+        self.paths.append(request.path)
         if self._completion:
             return await self._completion(request)
         return web.json_response({"choices": [{"message": {"content": "p"}}]})
@@ -46,6 +49,7 @@ class FakeServer:
             app = web.Application()
             app.router.add_get("/v1/models", self.models)
             app.router.add_post("/v1/chat/completions", self.chat)
+            app.router.add_post("/v1/images/generations", self.chat)
             async with TestServer(app, host="127.0.0.1") as server:
                 await check(str(server.make_url("")))
 
@@ -97,6 +101,46 @@ def test_sent_only_without_recent_progress_and_once_per_interval() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("plan", "path", "body"),
+    [
+        (CanaryPlan.NONE, None, None),
+        (
+            CanaryPlan.IMAGE,
+            "/v1/images/generations",
+            {"model": "tiny", "prompt": "ping", "n": 1, "size": "64x64", "num_inference_steps": 1},
+        ),
+        (
+            CanaryPlan.IMAGE_CHAT,
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "ping"}], "modalities": []},
+        ),
+    ],
+    ids=["none", "image", "image chat"],
+)
+def test_the_plan_picks_the_canary_of_a_pipeline_with_a_diffusion_stage(
+    plan: CanaryPlan, path: str | None, body: dict[str, Any] | None
+) -> None:
+    server = FakeServer()
+    clock = FakeClock(start=100.0)
+    asked: list[float] = []
+
+    def planned(now: float) -> CanaryPlan:
+        asked.append(now)
+        return plan
+
+    async def check(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            probe = CanaryProbe(session, url, CONFIG, clock, lambda: None, planned)
+            found = await probe.collect()
+            assert len(found) == (0 if plan is CanaryPlan.NONE else 1)
+
+    server.run(check)
+    assert asked == [100.0]
+    assert server.paths == ([] if path is None else [path])
+    assert server.bodies == ([] if body is None else [body])
+
+
 def test_configured_body_is_sent_as_is() -> None:
     server = FakeServer()
     body = {"model": "qwen-omni", "prompt": "hi", "max_tokens": 1}
@@ -137,6 +181,22 @@ def test_error_answer_is_unhealthy_with_status_and_body() -> None:
         assert observation.detail == "500: " + json.dumps(error)[:200]
 
     FakeServer(dead).run(check)
+
+
+def test_a_request_the_server_refuses_is_the_probe_s_failure_not_evidence() -> None:
+    # vLLM-Omni's image pipeline refuses a text-only request.
+    refusal = {"error": {"message": "Unsupported output modalities text", "code": 400}}
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response(refusal, status=400)
+
+    async def check(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            probe = canary(session, url, FakeClock(), [None])
+            with pytest.raises(ProbeError, match="refused the canary request, 400"):
+                await probe.collect()
+
+    FakeServer(refuse).run(check)
 
 
 def test_a_server_gone_after_the_model_is_known_is_refused() -> None:

@@ -21,7 +21,7 @@ from omni_watchdog.types import HealthOutcome, ObservationKind, ProbeError, Proc
 OWN_PID = 50
 
 
-def headless_cmdline(port: int) -> list[str]:
+def headless_cmdline(port: int, address: str = "127.0.0.1") -> list[str]:
     return [
         "vllm",
         "serve",
@@ -31,7 +31,7 @@ def headless_cmdline(port: int) -> list[str]:
         "1",
         "--headless",
         "--omni-master-address",
-        "127.0.0.1",
+        address,
         "--omni-master-port",
         str(port),
     ]
@@ -82,6 +82,21 @@ def test_the_headless_root_is_the_oldest_matching_process_never_the_watchdog() -
         ProcessRole.ENGINE,
         StageRef(1, 0),
     )
+
+
+def test_a_look_alike_started_earlier_is_never_the_stage() -> None:
+    """Anyone can start a process with `--headless --stage-id 1` in its command line; the
+    stage is the one that started a stage process titled as vLLM-Omni titles them."""
+    table = FakePsutil()
+    table.add(90, 1, ["python3", "-c", "pass", *headless_cmdline(29500)])
+    table.add(100, 1, headless_cmdline(29500))
+    tracker = headless_tracker(table)
+    # Neither has started a stage yet: none is taken, and the error names both.
+    with pytest.raises(ProbeError, match="processes 90, 100 each look like a headless"):
+        asyncio.run(tracker.collect())
+    table.add(102, 100, "VLLM::StageEngineCoreProc_stage1_replica0_DP0")
+    asyncio.run(tracker.collect())
+    assert tracker.root is not None and tracker.root.pid == 100
 
 
 def test_no_headless_server_is_a_probe_error_that_says_what_was_looked_for() -> None:
@@ -183,3 +198,55 @@ def test_a_stage_without_a_master_on_its_command_line_is_reported() -> None:
     outcome, detail = check(table)
     assert outcome is HealthOutcome.ERROR
     assert "--omni-master-address" in detail
+
+
+def test_a_master_name_that_stops_resolving_is_no_orphan() -> None:
+    """The name of the master (the shipped manifest uses a DNS name) stops resolving while
+    the stage's connections stand: a watchdog judged `link_lost` and stopped a healthy
+    stage in 10.5 s. The stage's own connection says whether its master is gone."""
+    with master_listening() as port:
+        table = FakePsutil()
+        table.add(100, 1, headless_cmdline(port, address="head.cluster.local"))
+        engine = table.add(102, 100, "VLLM::StageEngineCoreProc_stage1_replica0_DP0")
+        engine.connected_to = {("127.0.0.1", 41001)}
+        tracker = headless_tracker(table)
+        asyncio.run(tracker.collect())
+        answers: list[set[str] | OSError] = [
+            {"127.0.0.1"},
+            socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+        ]
+
+        async def resolve(name: str, port: int) -> set[str]:
+            assert name == "head.cluster.local"
+            answer = answers.pop(0) if len(answers) > 1 else answers[0]
+            if isinstance(answer, OSError):
+                raise answer
+            return answer
+
+        probe = MasterLinkProbe(
+            table, FakeClock(), lambda: tracker.root, tracker.live, 1.0, resolve
+        )
+        (first,) = asyncio.run(probe.collect())
+        (second,) = asyncio.run(probe.collect())
+        assert first.outcome is second.outcome is HealthOutcome.OK, second.detail
+        assert "head.cluster.local did not resolve" in second.detail
+        assert "its last address 127.0.0.1" in second.detail
+        # The master gone meanwhile: still judged, by its port and the stage's connection.
+        engine.connected_to = set()
+        (third,) = asyncio.run(probe.collect())
+        assert third.outcome is HealthOutcome.UNHEALTHY, third.detail
+
+
+def test_a_master_name_that_never_resolved_leaves_the_link_unjudged() -> None:
+    table = FakePsutil()
+    table.add(100, 1, headless_cmdline(free_port(), address="head.cluster.local"))
+    tracker = headless_tracker(table)
+    asyncio.run(tracker.collect())
+
+    async def resolve(name: str, port: int) -> set[str]:
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    probe = MasterLinkProbe(table, FakeClock(), lambda: tracker.root, tracker.live, 1.0, resolve)
+    with pytest.raises(ProbeError, match="the link is judged once it resolves"):
+        asyncio.run(probe.collect())
+    assert probe.state() is None

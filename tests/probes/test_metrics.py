@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import ProbesConfig
-from omni_watchdog.probes.metrics import MetricsProbe, parse_samples
+from omni_watchdog.probes.metrics import MAX_METRICS_PAGE, MetricsProbe, parse_samples
 from omni_watchdog.types import (
     STEP_COUNTERS,
     ObservationKind,
@@ -383,3 +383,33 @@ def test_progress_says_which_stages_count_every_engine_step() -> None:
     assert serve(page_handler([real]), check) == dict.fromkeys(
         (StageRef(0), StageRef(1), StageRef(2)), STEP_COUNTERS
     )
+
+
+@pytest.mark.parametrize("announced", [True, False], ids=["with its length", "chunked"])
+def test_a_page_past_the_bound_is_refused_unread_and_the_next_one_read(announced: bool) -> None:
+    """A target's /metrics is its own to make: one far past any real page (about 50 KB) is
+    the probe's failure, said in its error, and costs the watchdog no more than the bound."""
+    line = b'vllm:generation_tokens_total{stage="0"} 1\n'
+    huge = line * (MAX_METRICS_PAGE // len(line) + 2)
+    pages = [huge, line]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        page = pages.pop(0)
+        if announced:
+            return web.Response(body=page)
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for start in range(0, len(page), 2**20):
+            await response.write(page[start : start + 2**20])
+        return response
+
+    async def check(url: str) -> list[float]:
+        async with aiohttp.ClientSession() as session:
+            probe = MetricsProbe(session, url, ProbesConfig(), FakeClock())
+            with pytest.raises(ProbeError, match=f"a page over {MAX_METRICS_PAGE // 2**20} MiB"):
+                await probe.collect()
+            assert probe.last_page is None
+            return list(by_kind(await probe.collect(), ObservationKind.PROGRESS).values())
+
+    assert serve(handler, check) == [1.0]

@@ -1072,3 +1072,50 @@ def test_thread_waits_keep_the_count_of_a_process_gone_and_forget_the_gone_first
     write_waits(tmp_path, 200, {200: 2.7})
     assert waits(200, False) == pytest.approx(2.7)
     assert waits(100, False) == 0.0
+
+
+def test_diffusion_workers_are_their_stage_s_processes_without_a_stage_config() -> None:
+    # vLLM-Omni 0.30's image pipeline: a text stage titled as such, and the diffusion
+    # stage's process, which a DiffusionWorker title names no stage of, on the stage no
+    # title claims; its mp executor's worker under it.
+    table = FakePsutil()
+    table.add(100, 1, "vllm serve --omni")
+    table.add(101, 100, "VLLM::StageEngineCoreProc_stage0_replica0_DP0")
+    table.add(102, 100, "vLLM-Omni::DiffusionWorker")
+    table.add(103, 102, "vLLM-Omni::DiffusionWorker")
+    table.listening = [100]
+    tracker = fake_tracker(table)
+    collect(tracker)
+    assert roles(tracker) == {
+        100: (ProcessRole.API, None),
+        101: (ProcessRole.ENGINE, StageRef(0)),
+        102: (ProcessRole.STAGE, StageRef(1)),
+        103: (ProcessRole.WORKER, StageRef(1)),
+    }
+    assert not by_pid(tracker)[100].runs_stage_work
+    assert by_pid(tracker)[103].runs_stage_work
+
+
+@pytest.mark.parametrize("executor", ["inline", "mp"])
+def test_a_one_stage_diffusion_server_s_api_process_or_its_worker_runs_the_stage(
+    executor: str,
+) -> None:
+    table = FakePsutil()
+    if executor == "inline":
+        # The engine runs in the API process, which titles itself a DiffusionWorker.
+        table.add(100, 1, "vLLM-Omni::DiffusionWorker")
+    else:
+        table.add(100, 1, "vllm serve tiny-dit --omni --distributed-executor-backend mp")
+        table.add(101, 100, "vLLM-Omni::DiffusionWorker")
+    table.listening = [100]
+    tracker = fake_tracker(table, topology=Topology((Stage(0, "dit", final_output=True),)))
+    collect(tracker)
+    if executor == "inline":
+        assert roles(tracker) == {100: (ProcessRole.API, StageRef(0))}
+        # Read for its stage's causes; never a stage process whose exit spares the server.
+        assert by_pid(tracker)[100].runs_stage_work
+    else:
+        assert roles(tracker) == {
+            100: (ProcessRole.API, None),
+            101: (ProcessRole.STAGE, StageRef(0)),
+        }

@@ -12,6 +12,7 @@ from pathlib import Path
 import explain
 import pytest
 from real_omni.server import (
+    DIFFUSION_ARCHITECTURE,
     FAULTS_DIR,
     MODEL_ARCHITECTURE,
     OMNI_PYTHON,
@@ -43,6 +44,17 @@ def omni_model(omni_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     output = tmp_path_factory.mktemp("omni-tiny-model")
     return make_tiny_model(
         omni_python, output, omni_environment(), "--architecture", MODEL_ARCHITECTURE
+    )
+
+
+@pytest.fixture(scope="session")
+def omni_diffusion_model(omni_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-stage diffusion model: a directory whose `model_index.json` names the tiny
+    image pipeline the harness registers (its weights are random in the harness's code).
+    The image pipeline's server takes `omni_model` instead."""
+    output = tmp_path_factory.mktemp("omni-tiny-diffusion-model")
+    return make_tiny_model(
+        omni_python, output, omni_environment(), "--diffusion", DIFFUSION_ARCHITECTURE
     )
 
 

@@ -342,9 +342,10 @@ def test_legit_work_is_waited_for_and_what_stops_advancing_is_judged_by_its_caus
                 faults.disarm(TALKER.stage_id)
                 for watcher in watchers:
                     watcher.cancel()
-            assert status == 200, body
-            assert not worse, worse
-            assert not watchdog.policy.incidents(), watchdog.policy.incidents()
+            # What the watchdog did and saw comes first: a failed answer is its consequence.
+            assert not watchdog.policy.incidents(), (watchdog.policy.incidents(), seen[-5:])
+            assert not worse, (worse, seen[-5:])
+            assert status == 200, (body, seen[-5:])
             named = {shown["cause"] for shown in seen}
             assert cause.value in named, seen[-5:]
             assert all(shown["working"] for shown in seen if shown["cause"] == cause.value)

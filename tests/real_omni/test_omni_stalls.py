@@ -54,20 +54,20 @@ def test_blocked_forward_is_planned_in_dry_run_and_ended_once_on_call_approves(
     fresh_omni: Callable[..., OmniServer], tmp_path: Path
 ) -> None:
     server, faults = fresh_omni()
-    talker = StageRef(1)
+    code2wav = StageRef(2)
 
     async def scenario() -> None:
         async with (
             watched(server, tmp_path, "dry-run", ON_CALL) as watchdog,
             aiohttp.ClientSession() as session,
         ):
-            faults.arm(talker.stage_id, "block")
+            faults.arm(code2wav.stage_id, "block")
             in_background(server, session)
             # vLLM-Omni 0.30 answers /health with 200 all along: only the watchdog tells.
-            await wait_for(lambda: state(watchdog, talker) is not StageState.HEALTHY, 30)
+            await wait_for(lambda: state(watchdog, code2wav) is not StageState.HEALTHY, 30)
             assert await health_status(session, server) == 200
             plan = await incident_done(watchdog, 90)
-            verdict = verdict_on(plan, talker)
+            verdict = verdict_on(plan, code2wav)
             assert verdict is not None and verdict.state is StageState.STALLED, plan
             assert EvidenceKind.HEALTH_FAILED not in evidence_kinds(plan)
             assert plan.outcome is IncidentOutcome.PLANNED and server.process.poll() is None

@@ -50,6 +50,8 @@ READY_TIMEOUT = 150.0
 # A log line at level ERROR or CRITICAL whose message is not a line of a traceback (those
 # are indented), nor its heading.
 ERROR_LINE = re.compile(r"\b(?:ERROR|CRITICAL)\b[^\]]*\]\s(?!Traceback)\S")
+# An access-log line of a probe's poll: `"GET /metrics HTTP/1.1" 200 OK`.
+POLLING_LINE = re.compile(r'"GET /(?:metrics|health) HTTP/[\d.]+" 200\b')
 
 # The short timeouts of the simulated-server tests; no GPU here, so the GPU probe is left
 # out rather than reported failing all along. The canary matters: the real /health stays
@@ -128,7 +130,11 @@ class StartedTree:
     seen: dict[int, float] = field(default_factory=dict)
 
     def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+        """The log's last `chars`, the polling of its `/metrics` and `/health` left out: a
+        watchdog's probes fill a quiet server's log, and CI shows only so much of a failure."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        told = "\n".join(line for line in lines if not POLLING_LINE.search(line))
+        return told[-chars:]
 
     def first_errors(self, lines: int = 12) -> str:
         """The log's first distinct error messages: a traceback fills the tail, and what

@@ -17,6 +17,21 @@
 - `slow-step:<seconds>`: one forward does that much CPU work (tensor operations in a
   Python loop), then goes on.
 
+A diffusion stage reads the same file at every denoising step of its DiT instead (through
+`strike_step`, once per step, the startup warm-up's steps included):
+
+- `block`: the step never returns (the process stays alive; vLLM-Omni's engine has no
+  timeout on it);
+- `raise`: the step raises (vLLM-Omni answers 500 for that request; the stage stays
+  healthy);
+- `spin`, `exit`, `signal:<NAME>`, `slow-step:<seconds>`: as above, inside the step;
+- `step-work:<seconds>`: every step does that much CPU work (tensor operations in a Python
+  loop), then goes on: a legitimately slow image, e.g. 4 steps of 3 s;
+- `slow:<seconds>`: every step waits that much longer, the CPU free (a device that
+  computes slowly).
+
+The other words mean nothing to a denoising step.
+
 No file, an empty one or an unknown word: no fault. The test writes the file; nothing
 here ever deletes it. The one-forward faults write `stage-<S>.fired` with their word once
 they fired, and do not fire again for the same word.
@@ -77,6 +92,30 @@ def strike(stage_id: int) -> None:
         _once(stage_id, word, lambda: _wait_on_a_busy_child(float(argument)))
     elif kind == "compile":
         _once(stage_id, word, _compile_new_functions)
+    elif kind == "slow-step":
+        _once(stage_id, word, lambda: _work(float(argument)))
+
+
+def strike_step(stage_id: int) -> None:
+    """Carry out the fault armed for `stage_id`, if any, in the calling denoising step."""
+    word = armed(stage_id)
+    if not word:
+        return
+    kind, _, argument = word.partition(":")
+    if kind == "raise":
+        raise InjectedFault(f"fault injected into stage {stage_id}'s denoising step")
+    if kind == "block":
+        threading.Event().wait()
+    elif kind == "exit":
+        os._exit(1)
+    elif kind == "signal":
+        os.kill(os.getpid(), signal.Signals[f"SIG{argument.upper()}"])
+    elif kind == "spin":
+        _spin(stage_id)
+    elif kind == "step-work":
+        _work(float(argument))
+    elif kind == "slow":
+        threading.Event().wait(float(argument))
     elif kind == "slow-step":
         _once(stage_id, word, lambda: _work(float(argument)))
 

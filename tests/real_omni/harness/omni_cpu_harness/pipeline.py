@@ -1,8 +1,14 @@
-"""The harness pipeline: three autoregressive text stages shaped like Qwen2.5-Omni's.
+"""The harness pipelines, registered by name; each deploy file beside this module selects
+one.
 
-thinker → talker → code2wav, each fed by the one before and the last one final, all the
-tiny random Llama of `scripts/make_tiny_model.py` (written with the architecture name
-below). The deploy file beside this module selects the pipeline by its name.
+- `omni_watchdog_harness` (`deploy.yaml`), shaped like Qwen2.5-Omni's: thinker (`LLM_AR`) →
+  talker (`LLM_AR`) → code2wav (`LLM_GENERATION`, audio out, the final output), the
+  tiny random Llama of `scripts/make_tiny_model.py` under each.
+- `omni_watchdog_harness_image` (`deploy-image.yaml`): text (`LLM_AR`, the same Llama) →
+  DiT (`DIFFUSION`, the tiny image pipeline of `diffusion.py`, in a `StageDiffusionProc`).
+
+A model directory holding only `model_index.json` naming the tiny image pipeline is a
+one-stage diffusion server of its own, no deploy file needed.
 """
 
 from __future__ import annotations
@@ -11,8 +17,14 @@ from pathlib import Path
 
 PIPELINE_NAME = "omni_watchdog_harness"
 MODEL_ARCHITECTURE = "HarnessLlamaForCausalLM"
+CODE2WAV_ARCHITECTURE = "HarnessCode2Wav"
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 DEPLOY_FILE = Path(__file__).with_name("deploy.yaml")
+IMAGE_PIPELINE_NAME = "omni_watchdog_harness_image"
+IMAGE_STAGE_NAMES = ("text", "dit")
+IMAGE_DEPLOY_FILE = Path(__file__).with_name("deploy-image.yaml")
+# The tiny image pipeline's class, as `model_index.json` and the registry name it.
+DIFFUSION_ARCHITECTURE = "HarnessTinyImagePipeline"
 
 
 def register() -> None:
@@ -24,29 +36,91 @@ def register() -> None:
         StageExecutionType,
         StagePipelineConfig,
     )
+    from vllm_omni.diffusion.registry import register_diffusion_model
     from vllm_omni.model_executor.models.registry import OmniModelRegistry
 
-    from omni_cpu_harness.model import HarnessLlamaForCausalLM
+    from omni_cpu_harness.model import HarnessCode2Wav, HarnessLlamaForCausalLM
 
-    # The class itself, not its dotted name: vLLM inspects a model registered by name in a
-    # fresh interpreter, which costs each server start some fifteen seconds here.
-    ModelRegistry.register_model(MODEL_ARCHITECTURE, HarnessLlamaForCausalLM)
-    OmniModelRegistry.register_model(MODEL_ARCHITECTURE, HarnessLlamaForCausalLM)
-    if PIPELINE_NAME in OMNI_PIPELINES:
-        return
-    stages = tuple(
-        StagePipelineConfig(
-            stage_id=stage_id,
-            model_stage=name,
-            execution_type=StageExecutionType.LLM_AR,
-            input_sources=() if stage_id == 0 else (stage_id - 1,),
-            final_output=stage_id == len(STAGE_NAMES) - 1,
-            final_output_type="text",
-            owns_tokenizer=stage_id == 0,
-            sampling_constraints={"detokenize": True},
+    # The classes themselves, not their dotted names: vLLM inspects a model registered by
+    # name in a fresh interpreter, which costs each server start some fifteen seconds here.
+    for name, model in (
+        (MODEL_ARCHITECTURE, HarnessLlamaForCausalLM),
+        (CODE2WAV_ARCHITECTURE, HarnessCode2Wav),
+    ):
+        ModelRegistry.register_model(name, model)
+        OmniModelRegistry.register_model(name, model)
+    # By dotted name: torch and the diffusion layers load only where a diffusion stage runs.
+    register_diffusion_model(
+        DIFFUSION_ARCHITECTURE,
+        "omni_cpu_harness.diffusion",
+        DIFFUSION_ARCHITECTURE,
+        post_process_func_name="get_post_process_func",
+    )
+    if PIPELINE_NAME not in OMNI_PIPELINES:
+        register_pipeline(
+            PipelineConfig(
+                model_type=PIPELINE_NAME,
+                model_arch=MODEL_ARCHITECTURE,
+                stages=(
+                    # Not a final output: the watchdog's view of the pipeline (and its
+                    # tests) has code2wav as the one final stage. The text type keeps
+                    # "text" among the pipeline's output modalities, so a request for text
+                    # alone is accepted; with no final text stage it runs all three.
+                    StagePipelineConfig(
+                        stage_id=0,
+                        model_stage="thinker",
+                        execution_type=StageExecutionType.LLM_AR,
+                        input_sources=(),
+                        final_output_type="text",
+                        owns_tokenizer=True,
+                        sampling_constraints={"detokenize": True},
+                    ),
+                    StagePipelineConfig(
+                        stage_id=1,
+                        model_stage="talker",
+                        execution_type=StageExecutionType.LLM_AR,
+                        input_sources=(0,),
+                        final_output_type="text",
+                        sampling_constraints={"detokenize": True},
+                    ),
+                    StagePipelineConfig(
+                        stage_id=2,
+                        model_stage="code2wav",
+                        execution_type=StageExecutionType.LLM_GENERATION,
+                        input_sources=(1,),
+                        final_output=True,
+                        final_output_type="audio",
+                        model_arch=CODE2WAV_ARCHITECTURE,
+                        engine_output_type="audio",
+                        sampling_constraints={"detokenize": True},
+                    ),
+                ),
+            )
         )
-        for stage_id, name in enumerate(STAGE_NAMES)
-    )
-    register_pipeline(
-        PipelineConfig(model_type=PIPELINE_NAME, model_arch=MODEL_ARCHITECTURE, stages=stages)
-    )
+    if IMAGE_PIPELINE_NAME not in OMNI_PIPELINES:
+        register_pipeline(
+            PipelineConfig(
+                model_type=IMAGE_PIPELINE_NAME,
+                model_arch=MODEL_ARCHITECTURE,
+                stages=(
+                    StagePipelineConfig(
+                        stage_id=0,
+                        model_stage="text",
+                        execution_type=StageExecutionType.LLM_AR,
+                        input_sources=(),
+                        owns_tokenizer=True,
+                        sampling_constraints={"detokenize": True},
+                    ),
+                    # With no input function of its own, the DiT gets the request's prompt.
+                    StagePipelineConfig(
+                        stage_id=1,
+                        model_stage="dit",
+                        execution_type=StageExecutionType.DIFFUSION,
+                        input_sources=(0,),
+                        final_output=True,
+                        final_output_type="image",
+                        model_arch=DIFFUSION_ARCHITECTURE,
+                    ),
+                ),
+            )
+        )

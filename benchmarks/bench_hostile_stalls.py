@@ -1,0 +1,284 @@
+"""A stall judged under hostile load: impersonation, refused POSTs, readers.
+
+For each load in turn, a simulated vLLM-Omni 0.30 server and an enforce-mode watchdog at
+its defaults (in this process, as `omni-watchdog demo` runs them); once warm, a flood from
+a process of its own starts, stage 0 stalls silently (its loop deadlocked, the process
+asleep) and the report's request is sent. Measured: fault -> verdict, the `/metrics`
+scrape times while the load runs (median, 95th percentile: this process's loop is the
+watchdog's), the journal's size after, and what the receiver refused. Loads:
+- none: the baseline;
+- impersonation: heartbeats and successful stage spans in the stalled stage process's
+  own name (pid, start and boot id read from /proc), every 0.3 s, with no token;
+- refused POSTs: `POST /v1/pause` without the operator's token, 4 connections flat out;
+- readers: `GET /v1/status`, `/v1/incidents` and `/metrics`, 8 connections flat out.
+
+    python benchmarks/bench_hostile_stalls.py [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from results import record
+
+from omni_watchdog.demo import (
+    arm_faults,
+    attached,
+    closed_incident,
+    send_request,
+    summary,
+    wait_for,
+)
+from omni_watchdog.log import configure_logging
+from omni_watchdog.operator import UNAUTHENTICATED_OUTCOMES
+from omni_watchdog.process_start import sender_attributes
+from omni_watchdog.semconv import (
+    HEARTBEAT_SPAN,
+    PROCESS_PID,
+    REQUEST_ID,
+    STAGE_ID,
+    STAGE_REPLICA,
+    STAGE_REQUEST_SPAN,
+)
+from omni_watchdog.types import StageRef
+
+SECTION = "Stalls under hostile load"
+LOADS = ("none", "impersonation", "refused POSTs", "readers")
+# A stall is judged within the unloaded run's time and this much more.
+VERDICT_SLACK_S = 2.0
+TARGET_SCRAPE_P95_MS = 50.0
+TARGET_JOURNAL_BYTES = 1 << 20
+SCRAPE_EVERY_S = 0.2
+INCIDENT_TIMEOUT_S = 90.0
+
+# A flood from a process of its own: `threads` connections sending one request each in a
+# loop, `pause` seconds apart, until killed.
+FLOOD = r"""
+import http.client, sys, threading, time
+method, port, path, content_type, body_file, threads, pause = sys.argv[1:8]
+body = open(body_file, "rb").read() if body_file != "-" else None
+headers = {"Content-Type": content_type}
+paths = path.split(",")
+def run():
+    connection, sent = None, 0
+    while True:
+        try:
+            if connection is None:
+                connection = http.client.HTTPConnection("127.0.0.1", int(port), timeout=10)
+            connection.request(method, paths[sent % len(paths)], body, headers)
+            connection.getresponse().read()
+            sent += 1
+        except Exception:
+            connection = None
+            time.sleep(0.05)
+        if float(pause):
+            time.sleep(float(pause))
+for _ in range(int(threads)):
+    threading.Thread(target=run, daemon=True).start()
+threading.Event().wait()
+"""
+
+
+@dataclass(frozen=True)
+class Figures:
+    load: str
+    verdict_s: float | None
+    scrape_p50_ms: float
+    scrape_p95_ms: float
+    journal_bytes: int
+    refused: dict[str, int]
+    actions_refused: int
+
+
+def _value(key: str, value: object) -> KeyValue:
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    return KeyValue(key=key, value=AnyValue(string_value=str(value)))
+
+
+def forged_body(pid: int) -> bytes:
+    """A heartbeat and a successful stage span of stage 0, in process `pid`'s name."""
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    resource = {PROCESS_PID: pid, **sender_attributes(pid), STAGE_ID: 0, STAGE_REPLICA: 0}
+    resource_spans.resource.attributes.extend(_value(k, v) for k, v in resource.items())
+    spans = resource_spans.scope_spans.add()
+    now = time.time_ns()
+    for index, name in enumerate((HEARTBEAT_SPAN, STAGE_REQUEST_SPAN), start=1):
+        span = spans.spans.add(
+            name=name,
+            trace_id=index.to_bytes(16, "big"),
+            span_id=index.to_bytes(8, "big"),
+            start_time_unix_nano=now,
+            end_time_unix_nano=now,
+        )
+        if name == STAGE_REQUEST_SPAN:
+            span.attributes.append(_value(REQUEST_ID, "forged"))
+    return request.SerializeToString()
+
+
+def start_flood(load: str, watchdog: Any, workdir: Path) -> subprocess.Popen[bytes] | None:
+    """The load's flood, started; None for no load."""
+    api, otlp = watchdog.api_port, watchdog.otlp_port
+    if load == "none":
+        return None
+    if load == "impersonation":
+        engine = next(p for p in watchdog.tracker.live() if p.stage == StageRef(0))
+        body = workdir / "forged.bin"
+        body.write_bytes(forged_body(engine.pid))
+        args = ["POST", otlp, "/v1/traces", "application/x-protobuf", body, 1, 0.3]
+    elif load == "refused POSTs":
+        body = workdir / "pause.json"
+        body.write_text('{"seconds": 86400, "reason": "not yours"}')
+        args = ["POST", api, "/v1/pause", "application/json", body, 4, 0]
+    else:
+        args = ["GET", api, "/v1/status,/v1/incidents,/metrics", "text/plain", "-", 8, 0]
+    return subprocess.Popen(
+        [sys.executable, "-c", FLOOD, *map(str, args)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def scrape_times(url: str, times: list[float], stop: asyncio.Event) -> None:
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            started = time.perf_counter()
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as reply:
+                    await reply.read()
+                    times.append((time.perf_counter() - started) * 1e3)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), SCRAPE_EVERY_S)
+
+
+async def refused_actions(url: str) -> int:
+    """The operator's actions refused for want of the token, from `/metrics`."""
+    async with aiohttp.ClientSession() as session, session.get(url) as reply:
+        text = await reply.text()
+    wanted = tuple(f'outcome="{outcome}"' for outcome in UNAUTHENTICATED_OUTCOMES)
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("omni_watchdog_operator_actions_total{")
+        and any(label in line for label in wanted)
+    )
+
+
+async def stall_under(load: str, workdir: Path) -> Figures:
+    async with attached(workdir, [], "0.30", "enforce") as (watchdog, server):
+        await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 60)
+        flood = start_flood(load, watchdog, workdir)
+        times: list[float] = []
+        stop = asyncio.Event()
+        scraping = asyncio.create_task(
+            scrape_times(f"http://127.0.0.1:{watchdog.api_port}/metrics", times, stop)
+        )
+        try:
+            await asyncio.sleep(2.0)  # the load in full swing before the fault
+            await arm_faults(server.url, ["0:silent-stall"])
+            request = asyncio.create_task(send_request(server.url))
+            incident = await wait_for(lambda: closed_incident(watchdog), INCIDENT_TIMEOUT_S)
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await request
+        finally:
+            stop.set()
+            await scraping
+            if flood is not None:
+                flood.kill()
+                flood.wait()
+        verdict = summary(incident, server.fault_time())["fault_to_verdict_s"]
+        refused = {r: n for r, n in watchdog.receiver.stats.spans_rejected.items() if n}
+        actions_refused = await refused_actions(f"http://127.0.0.1:{watchdog.api_port}/metrics")
+    journal = workdir / "watchdog" / "journal.jsonl"
+    size = journal.stat().st_size if journal.exists() else 0
+    ordered = sorted(times)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))] if ordered else 0.0
+    median = statistics.median(times or [0.0])
+    return Figures(load, verdict, median, p95, size, refused, actions_refused)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    results = []
+    for load in LOADS:
+        with tempfile.TemporaryDirectory(prefix="omni-bench-stalls-") as workdir:
+            # The watchdog's log would drown the figures; it goes with the run's directory.
+            log = (Path(workdir) / "watchdog.log").open("a", encoding="utf-8")
+            with log:
+                configure_logging("info", log)
+                results.append(asyncio.run(stall_under(load, Path(workdir))))
+        found = results[-1]
+        print(
+            f"{load}: verdict {found.verdict_s} s, scrape median {found.scrape_p50_ms:.1f} ms,"
+            f" p95 {found.scrape_p95_ms:.1f} ms, journal {found.journal_bytes:,} B,"
+            f" spans refused {found.refused}, actions refused {found.actions_refused:,}"
+        )
+    baseline = results[0].verdict_s
+    table = []
+    ok = True
+    for found in results:
+        limit = None if baseline is None else baseline + VERDICT_SLACK_S
+        judged = found.verdict_s is not None and (limit is None or found.verdict_s <= limit)
+        checks = [
+            (
+                f"{found.load}: fault -> verdict",
+                "none" if found.verdict_s is None else f"{found.verdict_s:.2f} s",
+                "judged" if limit is None else f"<= {limit:.2f} s (unloaded + {VERDICT_SLACK_S:g})",
+                judged,
+            ),
+            (
+                f"{found.load}: scrape p95 (median)",
+                f"{found.scrape_p95_ms:.1f} ms ({found.scrape_p50_ms:.1f})",
+                f"<= {TARGET_SCRAPE_P95_MS:g} ms",
+                found.scrape_p95_ms <= TARGET_SCRAPE_P95_MS,
+            ),
+            (
+                f"{found.load}: journal",
+                f"{found.journal_bytes:,} B",
+                f"<= {TARGET_JOURNAL_BYTES:,} B",
+                found.journal_bytes <= TARGET_JOURNAL_BYTES,
+            ),
+        ]
+        for figure, measured, target, passed in checks:
+            table.append((figure, measured, target, "pass" if passed else "FAIL"))
+            ok = ok and passed
+    if not args.no_write:
+        record(
+            SECTION,
+            table,
+            note=(
+                "A simulated vLLM-Omni 0.30 server and an enforce-mode watchdog at its "
+                "defaults; after warm-up a flood from a process of its own, then stage 0 "
+                "stalls silently under it (impersonation: heartbeats and stage spans in the "
+                "stalled process's own name every 0.3 s, no token; refused POSTs: "
+                "`POST /v1/pause` without the token, 4 connections flat out; readers: "
+                "status, incidents and /metrics, 8 connections flat out). Scrapes every "
+                f"{SCRAPE_EVERY_S:g} s while it runs; "
+                "`python benchmarks/bench_hostile_stalls.py`."
+            ),
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
