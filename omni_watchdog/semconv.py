@@ -23,6 +23,9 @@ REQUEST_ABANDONED_SPAN: Final = "omni.request.abandoned"
 REQUEST_FINISHED_SPAN: Final = "omni.request.finished"
 # The stage graph the served pipeline runs (see pipeline_report).
 TOPOLOGY_SPAN: Final = "omni.pipeline.topology"
+# How often the plugin sends it: a watchdog that starts (or restarts) after the server
+# learns the pipeline within this time, and a replica the server adds shows within it.
+TOPOLOGY_REPORT_INTERVAL_SECONDS: Final = 10.0
 # A diffusion stage started a denoising step of a request: its loop is alive and working.
 # Sent for the first and last step and at most once a heartbeat interval between them.
 DENOISE_STEP_SPAN: Final = "omni.diffusion.step"

@@ -29,6 +29,7 @@ from omni_watchdog.probes.spans import (
     JSON,
     PLUGIN_PRESENCE_SECONDS,
     PROTOBUF,
+    UNKNOWN_STAGE_GRACE_SECONDS,
     SpanReceiver,
     decode_body,
 )
@@ -130,6 +131,12 @@ def set_attribute(span: Any, key: str, value: object) -> None:
 def ingested(receiver: SpanReceiver, body: bytes, media_type: str = PROTOBUF) -> list[Observation]:
     result = receiver.ingest(body, media_type)
     assert result.rejected == 0
+    return asyncio.run(receiver.collect())
+
+
+def past_the_unknown_stage_grace(receiver: SpanReceiver, clock: FakeClock) -> list[Observation]:
+    """What the receiver gives once the spans naming stages it does not know are refused."""
+    clock.advance(UNKNOWN_STAGE_GRACE_SECONDS + 0.1)
     return asyncio.run(receiver.collect())
 
 
@@ -306,13 +313,16 @@ def test_unknown_stages_are_refused_as_the_plugins_are() -> None:
     stage_spans_of = [s for s in spans_of(request) if s.name == VLLM_OMNI_LLM_STAGE_SPAN]
     set_attribute(stage_spans_of[1], VLLM_OMNI_STAGE_ID, 7)  # no stage 7
     set_attribute(stage_spans_of[2], VLLM_OMNI_STAGE_REPLICA, 3)  # stage 2 has one replica
-    receiver = receiver_for()
+    clock = FakeClock()
+    receiver = receiver_for(clock=clock)
     observations = ingested(receiver, request.SerializeToString())
     assert [stage for stage, _ in stage_spans(observations)] == [S0]
+    assert past_the_unknown_stage_grace(receiver, clock) == []
     assert refused(receiver) == {"unknown_stage": 2}
     assert receiver.store.recent(StageRef(7)) == [] and receiver.store.stages() == [S0]
     # The plugin's span naming the same stages is refused for the same reason.
     ingested(receiver, batch(PLUGIN_ORCHESTRATOR, [stage_request(StageRef(7))]))
+    assert past_the_unknown_stage_grace(receiver, clock) == []
     assert refused(receiver) == {"unknown_stage": 3}
 
 
@@ -352,11 +362,13 @@ def test_a_malformed_stage_attribute_is_ignored(stage_id: object, counted: bool)
     stage_work = [s for s in spans_of(request) if s.name == VLLM_OMNI_LLM_STAGE_SPAN]
     set_attribute(stage_work[2], VLLM_OMNI_STAGE_ID, stage_id)
     set_attribute(stage_work[1], VLLM_OMNI_STAGE_REPLICA, "first")  # replica 0
-    receiver = receiver_for()
+    clock = FakeClock()
+    receiver = receiver_for(clock=clock)
     observations = ingested(receiver, request.SerializeToString())
     expected = [S0, S1, S2] if counted else [S0, S1]
     assert [stage for stage, _ in stage_spans(observations)] == expected
     assert observations[-1].kind is ObservationKind.REQUEST_FINISHED
+    assert past_the_unknown_stage_grace(receiver, clock) == []
     assert receiver.stats.spans_accepted + sum(refused(receiver).values()) == 7
 
 

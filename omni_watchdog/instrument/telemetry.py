@@ -63,6 +63,7 @@ from omni_watchdog.semconv import (
     STAGE_NAME,
     STAGE_REPLICA,
     STAGE_REQUEST_SPAN,
+    TOPOLOGY_REPORT_INTERVAL_SECONDS,
     TOPOLOGY_SPAN,
 )
 from omni_watchdog.types import Stage
@@ -82,9 +83,6 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 TRACES_PATH = "/v1/traces"
 PROCESS_KINDS = frozenset({"api", "stage", "engine", "worker", "orchestrator"})
 
-# The watchdog may start (or restart) after the server: the pipeline is told again this
-# often, and a replica the server adds shows within this time.
-TOPOLOGY_INTERVAL_S = 10.0
 _SCOPE = InstrumentationScope("omni_watchdog.instrument", __version__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET = Status(StatusCode.UNSET)
@@ -620,7 +618,9 @@ class StageTelemetry:
             logger.debug("could not report the topology", exc_info=True)
 
     async def topology_loop(
-        self, read_stages: Callable[[], Sequence[Stage]], interval: float = TOPOLOGY_INTERVAL_S
+        self,
+        read_stages: Callable[[], Sequence[Stage]],
+        interval: float = TOPOLOGY_REPORT_INTERVAL_SECONDS,
     ) -> None:
         """Report the stages `read_stages` finds now and every `interval`, forever; a read
         that fails or finds none reports nothing that time."""

@@ -71,6 +71,7 @@ from omni_watchdog.semconv import (
     STAGE_ID,
     STAGE_REPLICA,
     STAGE_REQUEST_SPAN,
+    TOPOLOGY_REPORT_INTERVAL_SECONDS,
     TOPOLOGY_SPAN,
     VLLM_INSTRUMENTING_MODULE,
     VLLM_OMNI_DIFFUSION_STAGE_SPAN,
@@ -188,6 +189,10 @@ MAX_STAGE_PATH = 64
 # wait this long, at most this many, before they count as from a stranger.
 SENDER_GRACE_SECONDS = 2.0
 MAX_WAITING_SPANS = 10_000
+# A span of the target's that names a stage the watchdog does not know yet waits this long,
+# among the waiting spans: the tracker maps a stage's process from its own spans at its next
+# scan, and the plugin tells the pipeline again every TOPOLOGY_REPORT_INTERVAL_SECONDS.
+UNKNOWN_STAGE_GRACE_SECONDS = TOPOLOGY_REPORT_INTERVAL_SECONDS + SENDER_GRACE_SECONDS
 
 
 # A host name as a label value: longer ones are cut (DNS names are at most 253 bytes).
@@ -218,6 +223,17 @@ class _Waiting:
     resource: ResourceInfo
     # The stages (None: the pipeline) its plugin spans spoke for.
     heard: tuple[StageRef | None, ...]
+
+
+@dataclass
+class _Unplaced:
+    """Spans of one resource that name stages not known yet, held for their grace."""
+
+    received: float
+    request: ExportTraceServiceRequest
+    resource: ResourceInfo
+    stages: frozenset[StageRef]
+    count: int
 
 
 # Pids one connection may be asked to have come from: an exporter speaks for its process.
@@ -667,6 +683,7 @@ class SpanReceiver:
         self._sender_check_failed = False
         self._batches: deque[list[Observation]] = deque()
         self._waiting: deque[_Waiting] = deque()
+        self._unplaced: deque[_Unplaced] = deque()
         self._waiting_spans = 0
         self._accepted = 0
         self._rejected = dict.fromkeys(REJECTION_REASONS, 0)
@@ -792,14 +809,20 @@ class SpanReceiver:
         wanted: frozenset[str],
         observations: list[Observation],
         sender: _Sender | None = None,
+        *,
+        received: float | None = None,
+        hold_unplaced: bool = True,
     ) -> tuple[int, int]:
         """File every valid span in the store and append its observations; (well-formed,
         malformed). A span refused for its sender or stage is well-formed, so the exporter
-        is not told to fix it: it is counted under its own reason instead.
+        is not told to fix it: it is counted under its own reason instead. A span of the
+        target's that names a stage not known yet is held for `UNKNOWN_STAGE_GRACE_SECONDS`
+        unless `hold_unplaced` is off (it is when the held ones are mapped again).
 
         Of span attributes only the `wanted` keys are read here; records read the rest later.
+        `received`: when the body came, when not now.
         """
-        now = self._clock.monotonic()
+        now = self._clock.monotonic() if received is None else received
         wanted_count = len(wanted)
         single_key = wanted_count == 1
         hint = 0
@@ -834,6 +857,9 @@ class SpanReceiver:
             # What the resource's spans give, held back while its sender is unrecorded.
             gathered = [] if trust is _Trust.UNRECORDED else observations
             kept: list[tuple[StageRef | None, Any]] = []
+            # Spans that name a stage not known yet, and those stages.
+            unplaced: list[Any] = []
+            unplaced_stages: set[StageRef] = set()
             beating: set[StageRef] = set()
             counted = 0
             for scope_spans in resource_spans.scope_spans:
@@ -891,6 +917,13 @@ class SpanReceiver:
                             self._rejected["unknown_sender"] += 1
                             continue
                     elif not checked_known:
+                        if hold_unplaced and trust is not _Trust.ANONYMOUS and stage is not None:
+                            # The target's own process names it: the stage may be one the
+                            # watchdog learns of in a moment (a diffusion stage's process,
+                            # whose title names no stage, is mapped from its own spans).
+                            unplaced.append(span)
+                            unplaced_stages.add(stage)
+                            continue
                         self._rejected["unknown_stage"] += 1
                         continue
                     if trust is _Trust.ANONYMOUS and not (
@@ -969,6 +1002,8 @@ class SpanReceiver:
                         gathered.append(_vllm_omni_request_end(span, found, now))
             if spoke:
                 heard[None] = now
+            if unplaced:
+                self._hold_unplaced(now, resource_spans, resource, trust, unplaced, unplaced_stages)
             if trust is _Trust.UNRECORDED and counted:
                 self._wait(now, resource, counted, gathered, _compacted(kept), tuple(heard))
             elif counted:
@@ -1031,11 +1066,71 @@ class SpanReceiver:
         )
         self._waiting_spans += count
 
+    def _hold_unplaced(
+        self,
+        now: float,
+        resource_spans: Any,
+        resource: ResourceInfo,
+        trust: _Trust,
+        spans: list[Any],
+        stages: set[StageRef],
+    ) -> None:
+        """Hold `spans` (of `stages`, none known yet) until their stages are known or their
+        grace is over, then map them again."""
+        count = len(spans)
+        if self._waiting_spans + count > MAX_WAITING_SPANS:
+            self._rejected["unknown_stage"] += count
+            return
+        held = ExportTraceServiceRequest()
+        copied = held.resource_spans.add()
+        copied.resource.CopyFrom(resource_spans.resource)
+        copied.scope_spans.add().spans.extend(spans)
+        self._unplaced.append(_Unplaced(now, held, resource, frozenset(stages), count))
+        self._waiting_spans += count
+
+    def _settle_unplaced(self, now: float) -> None:
+        """Map again the held spans whose stages are all known now, or whose grace is over
+        (those that still name an unknown stage are refused then).
+
+        A held resource of a recorded process names that process's own stage: it is learned
+        here, the tracker maps the process from it at its next scan, and its stage is known
+        then (the spans a process sends of its own stage vouch for it, as filed ones do)."""
+        known: dict[StageRef, bool] = {}
+        still: deque[_Unplaced] = deque()
+        for held in self._unplaced:
+            if now - held.received <= UNKNOWN_STAGE_GRACE_SECONDS and not all(
+                _asked(self._senders.knows, stage, known) for stage in held.stages
+            ):
+                resource = held.resource
+                if (
+                    resource.stage in held.stages
+                    and resource.pid is not None
+                    and self._senders.owns(resource.pid, resource.start_ticks)
+                ):
+                    self.store.learn_pid(resource.pid, resource.stage, resource.process_kind)
+                still.append(held)
+                continue
+            self._waiting_spans -= held.count
+            observations: list[Observation] = []
+            self._map(
+                held.request,
+                _WANTED_KEYS,
+                observations,
+                received=held.received,
+                hold_unplaced=False,
+            )
+            if observations:
+                self._batches.append(observations)
+        self._unplaced = still
+
     def _settle_waiting(self) -> None:
-        """Release the spans of senders recorded since; refuse those past their grace."""
+        """Release the spans of senders recorded since and of stages known since; refuse
+        those past their grace."""
+        now = self._clock.monotonic()
+        if self._unplaced:
+            self._settle_unplaced(now)
         if not self._waiting:
             return
-        now = self._clock.monotonic()
         still: deque[_Waiting] = deque()
         for waiting in self._waiting:
             if self._senders.owns(waiting.pid, waiting.start_ticks):

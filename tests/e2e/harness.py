@@ -251,10 +251,13 @@ def watchdog_account(watchdog: Any) -> str:
     report = watchdog.state.report
     spans = watchdog.receiver.stats
     refused = {reason: n for reason, n in spans.spans_rejected.items() if n}
+    topology = watchdog.topology
     lines = [
         f"self-health: {watchdog.state.self_health}",
         f"spans: {spans.spans_accepted} accepted, refused {refused or 'none'}, requests"
         f" { ({code: n for code, n in spans.requests.items() if n}) }",
+        f"topology from {topology.source}: "
+        + ", ".join(f"{s.stage_id}:{s.name}x{s.replicas}" for s in topology.stages),
     ]
     if report is None:
         lines.append("never judged")
@@ -264,8 +267,9 @@ def watchdog_account(watchdog: Any) -> str:
             evidence = "; ".join(f"{e.kind.value}: {e.detail}" for e in status.evidence)
             cause = status.cause
             doing = "" if cause is None else f", {cause.cause.value}: {cause.detail}"
+            errors = f", {status.request_errors} request error(s)" if status.request_errors else ""
             lines.append(
-                f"  {status.stage} {status.state.value}{doing}"
+                f"  {status.stage} {status.state.value}{doing}{errors}"
                 + (f" ({evidence})" if evidence else "")
             )
     incidents = watchdog.policy.incidents()

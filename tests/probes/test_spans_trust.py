@@ -19,8 +19,14 @@ from otlp_bodies import batch
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.demo import wait_for
+from omni_watchdog.probes import spans as spans_module
 from omni_watchdog.probes.span_store import MAX_SPAN_BYTES, SpanStore
-from omni_watchdog.probes.spans import JSON, PROTOBUF, SpanReceiver
+from omni_watchdog.probes.spans import (
+    JSON,
+    PROTOBUF,
+    UNKNOWN_STAGE_GRACE_SECONDS,
+    SpanReceiver,
+)
 from omni_watchdog.semconv import (
     GEN_AI_REQUEST_ID,
     HEARTBEAT_SPAN,
@@ -134,11 +140,15 @@ def test_only_the_target_speaks_for_its_stages(
     kinds: list[ObservationKind],
     rejected: dict[str, int],
 ) -> None:
-    receiver = receiver_for()
+    clock = FakeClock()
+    receiver = receiver_for(clock=clock)
     result = receiver.ingest(batch(resource, spans), PROTOBUF)
     # Refusing a span for its sender is not the exporter's fault: no partial success.
     assert result.rejected == 0, name
     assert taken(receiver) == kinds, name
+    # A span of the target's naming an unknown stage is refused once its grace is over.
+    clock.advance(UNKNOWN_STAGE_GRACE_SECONDS + 0.1)
+    assert taken(receiver) == [], name
     assert refused(receiver) == rejected, name
     assert receiver.stats.spans_accepted == len(kinds), name
 
@@ -179,6 +189,79 @@ def test_a_sender_never_recorded_is_refused_after_its_grace() -> None:
     assert taken(receiver) == []
     assert refused(receiver) == {"unknown_sender": 2}
     assert receiver.store.pid_stages() == {}
+
+
+def test_a_stage_s_own_process_is_heard_before_the_watchdog_knows_its_stage() -> None:
+    """A diffusion stage's process (its title names no stage) beats before any topology
+    names its stage: its spans wait, its stage is learned from them, and once the tracker
+    maps it they count, at the time they came."""
+    clock = FakeClock()
+    senders = FakeSenders(owned={(40, 900)}, stages={S0}, mapped={S0})
+    receiver = receiver_for(senders, clock)
+    came = clock.monotonic()
+    receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT, STAGE_SPAN]), PROTOBUF)
+    assert taken(receiver) == []
+    assert receiver.store.pid_stages() == {40: (S1, "")}
+    clock.advance(0.5)
+    senders.stages = {S0, S1}  # the tracker's next scan maps the process to its stage
+    observations = asyncio.run(receiver.collect())
+    assert [(o.kind, o.stage, o.time) for o in observations] == [
+        (ObservationKind.HEARTBEAT, S1, came),
+        (ObservationKind.STAGE_SPAN, S1, came),
+    ]
+    assert [record.name for record in receiver.store.recent(S1)] == [
+        HEARTBEAT_SPAN,
+        STAGE_REQUEST_SPAN,
+    ]
+    assert refused(receiver) == {} and receiver.stats.spans_accepted == 2
+
+
+def test_the_orchestrator_s_span_of_a_stage_not_known_yet_waits_for_the_topology() -> None:
+    """The API server's span of a request that failed in stage 1, sent before the watchdog
+    learned the pipeline, counts once the topology names stage 1; its other spans at once."""
+    clock = FakeClock()
+    senders = FakeSenders(owned={(30, 700)}, stages={S0}, mapped={S0})
+    receiver = receiver_for(senders, clock)
+    orchestrator = {PROCESS_PID: 30, PROCESS_START_TICKS: 700, HOST_BOOT_ID: BOOT}
+    stage_one_span = (STAGE_REQUEST_SPAN, {REQUEST_ID: "r1", **STAGE_ONE})
+    receiver.ingest(batch(orchestrator, [ADMITTED, stage_one_span]), PROTOBUF)
+    assert taken(receiver) == [ObservationKind.REQUEST_ADMITTED]
+    clock.advance(UNKNOWN_STAGE_GRACE_SECONDS - 1.0)
+    assert taken(receiver) == []
+    assert receiver.store.pid_stages() == {}  # the orchestrator serves no stage of its own
+    senders.stages = {S0, S1}  # the plugin's topology report came
+    assert [(o.kind, o.stage) for o in asyncio.run(receiver.collect())] == [
+        (ObservationKind.STAGE_SPAN, S1)
+    ]
+    assert refused(receiver) == {}
+
+
+def test_a_stage_never_known_is_refused_after_its_grace_and_never_kept() -> None:
+    clock = FakeClock()
+    receiver = receiver_for(FakeSenders(owned={(40, 900)}, stages={S0}, mapped={S0}), clock)
+    receiver.ingest(batch({**STAGE_PROCESS, STAGE_ID: 7}, [HEARTBEAT, STAGE_SPAN]), PROTOBUF)
+    clock.advance(UNKNOWN_STAGE_GRACE_SECONDS)
+    assert taken(receiver) == [] and refused(receiver) == {}
+    clock.advance(0.1)
+    assert taken(receiver) == []
+    assert refused(receiver) == {"unknown_stage": 2}
+    assert receiver.store.recent(StageRef(7)) == [] and receiver.store.stages() == []
+
+
+def test_spans_of_unknown_stages_wait_only_within_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(spans_module, "MAX_WAITING_SPANS", 3)
+    clock = FakeClock()
+    receiver = receiver_for(FakeSenders(owned={(40, 900)}, stages={S0}, mapped={S0}), clock)
+    for _ in range(2):
+        receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT, HEARTBEAT]), PROTOBUF)
+    # The second body would be the fourth span waiting: refused at once, the first waits.
+    assert taken(receiver) == []
+    assert refused(receiver) == {"unknown_stage": 2}
+    clock.advance(UNKNOWN_STAGE_GRACE_SECONDS + 0.1)
+    assert taken(receiver) == []
+    assert refused(receiver) == {"unknown_stage": 4}
 
 
 def test_a_huge_attribute_is_cut_before_it_is_kept() -> None:
