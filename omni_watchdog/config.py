@@ -488,6 +488,14 @@ class LadderConfig:
     budget_per_hour: int = _setting(
         3, "Enforced incidents allowed per rolling hour.", minimum=0, maximum=1000
     )
+    records_per_hour: int = _setting(
+        30,
+        "Incidents that act on nothing (observe, dry-run, budget or lock missing) recorded"
+        " per rolling hour, each with its captured bundle; past it a verdict is counted and"
+        " logged once, not recorded.",
+        minimum=0,
+        maximum=1000,
+    )
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from omni_watchdog.policy.capture import Capturer, find_py_spy
 from omni_watchdog.policy.core import Policy
 from omni_watchdog.policy.incidents import (
     BundleWriter,
-    EnforcementBudget,
+    HourlyBudget,
     IncidentJournal,
     SerialWriter,
     StateWriteErrors,
@@ -275,7 +275,8 @@ def _assemble(
         config.mode,
         runner,
         journal,
-        EnforcementBudget(config.ladder.budget_per_hour),
+        HourlyBudget(config.ladder.budget_per_hour),
+        HourlyBudget(config.ladder.records_per_hour),
         TargetLock(lock_dir_for(state_dir, os.environ)),
         bundles,
         clock,

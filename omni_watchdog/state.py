@@ -109,6 +109,7 @@ class StateAssembler:
                 busy=policy.busy,
                 budget_remaining=policy.budget_remaining(),
                 budget_exhausted_total=policy.budget_exhausted_total,
+                records_exhausted_total=policy.records_exhausted_total,
                 lock=policy.lock_status(),
                 incidents=tuple(policy.incidents()),
                 closed_now=closed_now,

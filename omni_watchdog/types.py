@@ -750,6 +750,8 @@ class RemediationView:
     busy: bool
     budget_remaining: int
     budget_exhausted_total: int
+    # Verdicts that opened no incident: the hour's bound of those acting on nothing reached.
+    records_exhausted_total: int
     lock: LockStatus
     incidents: tuple[Incident, ...]
     # Closed by the evaluation that made this state: exported once, as they close.

@@ -92,6 +92,7 @@ EXPORTER_FAMILIES = {
     "omni_watchdog_verdict_to_release_seconds": "histogram",
     "omni_watchdog_remediation_budget_remaining": "gauge",
     "omni_watchdog_remediation_budget_exhausted_total": "counter",
+    "omni_watchdog_remediation_records_exhausted_total": "counter",
     "omni_watchdog_remediation_paused": "gauge",
     "omni_watchdog_remediation_pause_end_timestamp_seconds": "gauge",
     "omni_watchdog_operator_actions_total": "counter",

@@ -230,6 +230,7 @@ RANGES = {
     "ladder.release_timeout": (0.1, 3600.0),
     "ladder.teardown_timeout": (0.1, 3600.0),
     "ladder.budget_per_hour": (0, 1000),
+    "ladder.records_per_hour": (0, 1000),
 }
 
 

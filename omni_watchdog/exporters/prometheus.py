@@ -220,6 +220,12 @@ FAMILIES = (
         "Incidents that could not be enforced because the hourly budget was spent.",
     ),
     (
+        "remediation_records_exhausted_total",
+        "counter",
+        "Verdicts that opened no incident: the hourly bound of incidents that act on nothing"
+        " (observe, dry-run) was reached.",
+    ),
+    (
         "remediation_paused",
         "gauge",
         "1 while an operator's maintenance pause holds the watchdog's actions; detection goes on.",
@@ -737,6 +743,8 @@ class MetricsExposition:
             f"{PREFIX}remediation_budget_remaining {remediation.budget_remaining}",
             _HEADERS["remediation_budget_exhausted_total"],
             f"{PREFIX}remediation_budget_exhausted_total {remediation.budget_exhausted_total}",
+            _HEADERS["remediation_records_exhausted_total"],
+            f"{PREFIX}remediation_records_exhausted_total {remediation.records_exhausted_total}",
             _HEADERS["remediation_paused"],
             f"{PREFIX}remediation_paused {int(remediation.pause is not None)}",
             _HEADERS["remediation_pause_end_timestamp_seconds"],

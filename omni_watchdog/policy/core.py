@@ -26,7 +26,7 @@ from omni_watchdog.log import log_event
 from omni_watchdog.policy.activity import ACTIVITY_FILE, activity_document
 from omni_watchdog.policy.incidents import (
     BundleWriter,
-    EnforcementBudget,
+    HourlyBudget,
     IncidentJournal,
     JournalEntry,
     TargetLock,
@@ -80,7 +80,8 @@ class Policy:
         mode: Mode,
         runner: LadderRunner,
         journal: IncidentJournal,
-        budget: EnforcementBudget,
+        budget: HourlyBudget,
+        records: HourlyBudget,
         lock: TargetLock,
         bundles: BundleWriter,
         clock: Clock,
@@ -97,6 +98,7 @@ class Policy:
         self._runner = runner
         self._journal = journal
         self._budget = budget
+        self._records = records
         self._lock = lock
         self._bundles = bundles
         self._clock = clock
@@ -117,11 +119,16 @@ class Policy:
         self._handled_roots: set[ProcessIdentity] = set()
         self._attached: ProcessIdentity | None = None
         self.budget_exhausted_total = 0
+        self.records_exhausted_total = 0
+        # Verdicts go unrecorded since the last recorded incident: logged once a spell.
+        self._records_spell = False
         for entry in journal.replay():
             self._incidents[entry.incident.incident_id] = entry.incident
             self._roots[entry.incident.incident_id] = entry.root
             if entry.incident.mode is Mode.ENFORCE:
                 budget.note(entry.incident.opened)
+            else:
+                records.note(entry.incident.opened)
         windows = [a for a in journal.actions() if a.outcome == "accepted"]
         windows = [a for a in windows if a.action in ("pause", "resume")]
         if windows and windows[-1].pause is not None:
@@ -244,7 +251,10 @@ class Policy:
         verdicts: tuple[Verdict, ...],
         target: TargetSnapshot,
         crashed: bool = False,
-    ) -> asyncio.Task[Incident]:
+    ) -> asyncio.Task[Incident] | None:
+        """The incident's climb, started; None when it would act on nothing and the hour's
+        bound of such incidents is reached (each captures stacks into a bundle: a stage
+        that flaps in observe mode would fill the disk)."""
         wall = self._clock.wall()
         mode = self.mode
         notes = []
@@ -261,6 +271,22 @@ class Policy:
             # one that was only watched can have a later incident of its own.
             if target.root is not None:
                 self._handled_roots.add(target.root)
+        elif self._records.remaining(wall) <= 0:
+            self.records_exhausted_total += 1
+            if not self._records_spell:
+                log_event(
+                    logger,
+                    "incident_not_recorded",
+                    level=logging.WARNING,
+                    mode=mode.value,
+                    cause=cause,
+                    reason="the hourly bound of incidents that act on nothing is reached",
+                )
+            self._records_spell = True
+            return None
+        else:
+            self._records.note(wall)
+            self._records_spell = False
         incident_id = new_incident_id(wall)
         timeline = {"opened": wall}
         if verdicts:

@@ -424,8 +424,8 @@ class IncidentJournal:
         return sorted(latest.values(), key=lambda entry: entry.incident.opened)
 
 
-class EnforcementBudget:
-    """At most `per_hour` enforced incidents in any rolling hour (wall clock)."""
+class HourlyBudget:
+    """At most `per_hour` incidents of one kind in any rolling hour (wall clock)."""
 
     def __init__(self, per_hour: int) -> None:
         self._per_hour = per_hour

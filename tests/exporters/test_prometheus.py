@@ -109,7 +109,7 @@ def test_every_family_of_the_contract_is_present(scripted: Scripted) -> None:
     # The parser names counters without their _total suffix.
     expected = {name.removesuffix("_total") for name in FAMILY_NAMES}
     assert names == expected
-    assert len(FAMILY_NAMES) == 53
+    assert len(FAMILY_NAMES) == 54
 
 
 def test_content_type_is_the_text_format() -> None:
@@ -172,6 +172,7 @@ def test_state_shows_the_scripted_story(scripted: Scripted) -> None:
     assert value("processes", role="helper", status="zombie") == 1
     assert value("orphaned_processes") == 1
     assert value("remediation_budget_exhausted_total") == 1
+    assert value("remediation_records_exhausted_total") == 4
     assert not any(name.startswith("omni_watchdog_master_link") for name, _ in found)
 
 

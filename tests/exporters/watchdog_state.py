@@ -391,6 +391,7 @@ def scripted_state(
             busy=True,
             budget_remaining=2,
             budget_exhausted_total=1,
+            records_exhausted_total=4,
             lock=LockStatus(False, "held by another watchdog (pid 7)", None),
             incidents=tuple(incidents),
             pause=MaintenancePause(1_700_000_000.0, 1_700_001_800.0, "driver upgrade"),

@@ -22,7 +22,7 @@ from omni_watchdog.policy.actuators import Actuators, SignalGuard, is_alive
 from omni_watchdog.policy.core import Policy
 from omni_watchdog.policy.incidents import (
     BundleWriter,
-    EnforcementBudget,
+    HourlyBudget,
     IncidentJournal,
     JournalEntry,
     StateWriteErrors,
@@ -88,7 +88,9 @@ def gpu_reading(used: dict[int, float], held: dict[tuple[int, int], float]) -> G
 class Rig:
     """A policy wired to fakes: processes, GPU memory, clock, a refused admin port."""
 
-    def __init__(self, tmp_path: Path, fake: FakePsutil, mode: Mode, budget: int = 3) -> None:
+    def __init__(
+        self, tmp_path: Path, fake: FakePsutil, mode: Mode, budget: int = 3, records: int = 30
+    ) -> None:
         self.fake = fake
         self.clock = FakeClock()
         self.processes: list[ProcessInfo] = []
@@ -97,6 +99,7 @@ class Rig:
         self.tmp_path = tmp_path
         self.mode = mode
         self.budget = budget
+        self.records = records
         self.write_errors = StateWriteErrors()
         self.internal_errors: list[tuple[str, Exception]] = []
         self.disk: Callable[[Path, bytes], None] | None = None
@@ -180,7 +183,8 @@ class Rig:
             IncidentJournal(
                 self.tmp_path / "journal.jsonl", self.write_errors, self.disk or append_private
             ),
-            EnforcementBudget(self.budget),
+            HourlyBudget(self.budget),
+            HourlyBudget(self.records),
             TargetLock(lock_dir or self.tmp_path / "locks"),
             BundleWriter(
                 self.tmp_path / "incidents", self.write_errors, self.disk or replace_private
@@ -704,6 +708,41 @@ def test_observe_mode_records_without_acting(tmp_path: Path, fake_psutil: FakePs
     incident = run_incident(rig)
     assert incident is not None and incident.outcome is IncidentOutcome.OBSERVED
     assert fake_psutil.signals == [] and rig.captures == 1
+
+
+@pytest.mark.parametrize("mode", [Mode.OBSERVE, Mode.DRY_RUN])
+def test_incidents_that_act_on_nothing_are_bounded_per_hour(
+    tmp_path: Path, fake_psutil: FakePsutil, mode: Mode
+) -> None:
+    """A stage that flaps in observe mode makes a verdict a minute: each would capture
+    stacks into a bundle. Past the hour's bound a verdict opens nothing and is counted,
+    also after a restart; the next hour records again."""
+    rig = Rig(tmp_path, fake_psutil, mode, records=2)
+    the_0_11_tree(rig)
+
+    async def flaps(policy: Policy, verdicts: int) -> int:
+        opened = 0
+        for _ in range(verdicts):
+            task = policy.on_report(report(), rig.snapshot)
+            if task is not None:
+                opened += 1
+                await task
+            rig.clock.advance(60)
+        return opened
+
+    async def scenario() -> tuple[int, int, int, int]:
+        async with aiohttp.ClientSession() as session:
+            policy = rig.policy(session)
+            opened = await flaps(policy, 5)
+            exhausted = policy.records_exhausted_total
+            restarted = rig.policy(session)  # the journal's incidents count
+            reopened = await flaps(restarted, 1)
+            rig.clock.advance(3600)
+            return opened, exhausted, reopened, await flaps(restarted, 1)
+
+    opened, exhausted, after_restart, next_hour = asyncio.run(scenario())
+    assert (opened, exhausted, after_restart, next_hour) == (2, 3, 0, 1)
+    assert rig.captures == 3 and fake_psutil.signals == []
 
 
 @pytest.mark.parametrize("steps", [["capture", "verify"], ["kill", "verify"]])
