@@ -1078,13 +1078,22 @@ class SpanReceiver:
         """Hold `spans` (of `stages`, none known yet) until their stages are known or their
         grace is over, then map them again."""
         count = len(spans)
-        if self._waiting_spans + count > MAX_WAITING_SPANS:
+        if (
+            self._waiting_spans + count > MAX_WAITING_SPANS
+            or resource_spans.resource.ByteSize() > MAX_SPAN_BYTES  # the plugin's: 300 bytes
+        ):
             self._rejected["unknown_stage"] += count
             return
         held = ExportTraceServiceRequest()
         copied = held.resource_spans.add()
         copied.resource.CopyFrom(resource_spans.resource)
-        copied.scope_spans.add().spans.extend(spans)
+        held_spans = copied.scope_spans.add().spans
+        for span in spans:
+            # Held as the store keeps them: what waits is bounded in bytes, not only count.
+            if span.ByteSize() <= MAX_SPAN_BYTES:
+                held_spans.append(span)
+            else:
+                held_spans.add().ParseFromString(compact_span(span))
         self._unplaced.append(_Unplaced(now, held, resource, frozenset(stages), count))
         self._waiting_spans += count
 

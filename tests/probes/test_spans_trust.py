@@ -264,6 +264,26 @@ def test_spans_of_unknown_stages_wait_only_within_the_bound(
     assert refused(receiver) == {"unknown_stage": 4}
 
 
+def test_what_waits_for_its_stage_is_bounded_in_bytes() -> None:
+    """A span waiting for its stage is held cut as the store keeps it; a resource far
+    larger than the plugin's is not held at all."""
+    clock = FakeClock()
+    senders = FakeSenders(owned={(40, 900)}, stages={S0}, mapped={S0})
+    receiver = receiver_for(senders, clock)
+    huge = {REQUEST_ID: "r1", "prompt": "x" * 1_000_000}
+    receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [(STAGE_REQUEST_SPAN, huge)]), PROTOBUF)
+    (held,) = receiver._unplaced
+    assert held.request.ByteSize() <= MAX_SPAN_BYTES * 2
+    bloated = {**STAGE_PROCESS, **STAGE_ONE, "notes": "y" * 100_000}
+    receiver.ingest(batch(bloated, [HEARTBEAT]), PROTOBUF)
+    assert refused(receiver) == {"unknown_stage": 1}
+    senders.stages = {S0, S1}
+    (observation,) = asyncio.run(receiver.collect())
+    assert observation.kind is ObservationKind.STAGE_SPAN and observation.request_id == "r1"
+    (record,) = receiver.store.recent(S1)
+    assert record.request_id == "r1"
+
+
 def test_a_huge_attribute_is_cut_before_it_is_kept() -> None:
     receiver = receiver_for()
     huge = {REQUEST_ID: "r1", "prompt": "x" * 1_000_000, "list": list(range(5000))}
