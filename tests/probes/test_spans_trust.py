@@ -216,6 +216,21 @@ def test_a_stage_s_own_process_is_heard_before_the_watchdog_knows_its_stage() ->
     assert refused(receiver) == {} and receiver.stats.spans_accepted == 2
 
 
+def test_a_new_stage_process_waits_for_the_tracker_to_record_it_then_to_map_it() -> None:
+    clock = FakeClock()
+    senders = FakeSenders(owned=set(), stages={S0}, mapped={S0})
+    receiver = receiver_for(senders, clock)
+    receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [HEARTBEAT]), PROTOBUF)
+    assert taken(receiver) == [] and receiver.store.pid_stages() == {}
+    clock.advance(0.5)
+    senders.owned = {(40, 900)}  # recorded: its own stage is believed now
+    assert taken(receiver) == [] and receiver.store.pid_stages() == {40: (S1, "")}
+    clock.advance(0.5)
+    senders.stages = {S0, S1}  # and mapped
+    assert taken(receiver) == [ObservationKind.HEARTBEAT]
+    assert refused(receiver) == {}
+
+
 def test_the_orchestrator_s_span_of_a_stage_not_known_yet_waits_for_the_topology() -> None:
     """The API server's span of a request that failed in stage 1, sent before the watchdog
     learned the pipeline, counts once the topology names stage 1; its other spans at once."""
