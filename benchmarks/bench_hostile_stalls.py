@@ -10,7 +10,9 @@ watchdog's), the journal's size after, and what the receiver refused. Loads:
 - impersonation: heartbeats and successful stage spans in the stalled stage process's
   own name (pid, start and boot id read from /proc), every 0.3 s, with no token;
 - refused POSTs: `POST /v1/pause` without the operator's token, 4 connections flat out;
-- readers: `GET /v1/status`, `/v1/incidents` and `/metrics`, 8 connections flat out.
+- readers: `GET /v1/status`, `/v1/incidents` and `/metrics`, 8 connections flat out;
+- reports: `GET /v1/incidents/<id>/report` of the unloaded run's incident (its journal
+  and bundle carried over, as a restarted watchdog finds them), 16 connections flat out.
 
     python benchmarks/bench_hostile_stalls.py [--no-write]
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +44,6 @@ from results import record
 from omni_watchdog.demo import (
     arm_faults,
     attached,
-    closed_incident,
     send_request,
     summary,
     wait_for,
@@ -59,7 +62,7 @@ from omni_watchdog.semconv import (
 from omni_watchdog.types import StageRef
 
 SECTION = "Stalls under hostile load"
-LOADS = ("none", "impersonation", "refused POSTs", "readers")
+LOADS = ("none", "impersonation", "refused POSTs", "readers", "reports")
 # A stall is judged within the unloaded run's time and this much more.
 VERDICT_SLACK_S = 2.0
 TARGET_SCRAPE_P95_MS = 50.0
@@ -68,13 +71,14 @@ SCRAPE_EVERY_S = 0.2
 INCIDENT_TIMEOUT_S = 90.0
 
 # A flood from a process of its own: `threads` connections sending one request each in a
-# loop, `pause` seconds apart, until killed.
+# loop, `pause` seconds apart, until SIGTERM; then it prints its answers' statuses as JSON.
 FLOOD = r"""
-import http.client, sys, threading, time
+import collections, http.client, json, os, signal, sys, threading, time
 method, port, path, content_type, body_file, threads, pause = sys.argv[1:8]
 body = open(body_file, "rb").read() if body_file != "-" else None
 headers = {"Content-Type": content_type}
 paths = path.split(",")
+answers = collections.Counter()
 def run():
     connection, sent = None, 0
     while True:
@@ -82,13 +86,20 @@ def run():
             if connection is None:
                 connection = http.client.HTTPConnection("127.0.0.1", int(port), timeout=10)
             connection.request(method, paths[sent % len(paths)], body, headers)
-            connection.getresponse().read()
+            response = connection.getresponse()
+            response.read()
+            answers[str(response.status)] += 1
             sent += 1
         except Exception:
+            answers["no answer"] += 1
             connection = None
             time.sleep(0.05)
         if float(pause):
             time.sleep(float(pause))
+def report(*_):
+    print(json.dumps(dict(answers)), flush=True)
+    os._exit(0)
+signal.signal(signal.SIGTERM, report)
 for _ in range(int(threads)):
     threading.Thread(target=run, daemon=True).start()
 threading.Event().wait()
@@ -104,6 +115,8 @@ class Figures:
     journal_bytes: int
     refused: dict[str, int]
     actions_refused: int
+    # The flood's answers by HTTP status.
+    answers: dict[str, int]
 
 
 def _value(key: str, value: object) -> KeyValue:
@@ -147,11 +160,15 @@ def start_flood(load: str, watchdog: Any, workdir: Path) -> subprocess.Popen[byt
         body = workdir / "pause.json"
         body.write_text('{"seconds": 86400, "reason": "not yours"}')
         args = ["POST", api, "/v1/pause", "application/json", body, 4, 0]
-    else:
+    elif load == "readers":
         args = ["GET", api, "/v1/status,/v1/incidents,/metrics", "text/plain", "-", 8, 0]
+    else:
+        (earlier,) = watchdog.state.remediation.incidents
+        report = f"/v1/incidents/{earlier.incident_id}/report"
+        args = ["GET", api, report, "text/html", "-", 16, 0]
     return subprocess.Popen(
         [sys.executable, "-c", FLOOD, *map(str, args)],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
 
@@ -192,18 +209,31 @@ async def stall_under(load: str, workdir: Path) -> Figures:
         )
         try:
             await asyncio.sleep(2.0)  # the load in full swing before the fault
+            earlier = {i.incident_id for i in watchdog.state.remediation.incidents}
             await arm_faults(server.url, ["0:silent-stall"])
             request = asyncio.create_task(send_request(server.url))
-            incident = await wait_for(lambda: closed_incident(watchdog), INCIDENT_TIMEOUT_S)
+            incident = await wait_for(
+                lambda: next(
+                    (
+                        i
+                        for i in watchdog.state.remediation.incidents
+                        if i.closed is not None and i.incident_id not in earlier
+                    ),
+                    None,
+                ),
+                INCIDENT_TIMEOUT_S,
+            )
             request.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await request
         finally:
             stop.set()
             await scraping
+            answers: dict[str, int] = {}
             if flood is not None:
-                flood.kill()
-                flood.wait()
+                flood.terminate()
+                output, _ = flood.communicate(timeout=10)
+                answers = json.loads(output or b"{}")
         verdict = summary(incident, server.fault_time())["fault_to_verdict_s"]
         refused = {r: n for r, n in watchdog.receiver.stats.spans_rejected.items() if n}
         actions_refused = await refused_actions(f"http://127.0.0.1:{watchdog.api_port}/metrics")
@@ -212,7 +242,7 @@ async def stall_under(load: str, workdir: Path) -> Figures:
     ordered = sorted(times)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))] if ordered else 0.0
     median = statistics.median(times or [0.0])
-    return Figures(load, verdict, median, p95, size, refused, actions_refused)
+    return Figures(load, verdict, median, p95, size, refused, actions_refused, answers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,18 +250,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     results = []
+    history = Path(tempfile.mkdtemp(prefix="omni-bench-stalls-history-")) / "watchdog"
     for load in LOADS:
         with tempfile.TemporaryDirectory(prefix="omni-bench-stalls-") as workdir:
+            state_dir = Path(workdir) / "watchdog"
+            if load == "reports":
+                shutil.copytree(history, state_dir)
             # The watchdog's log would drown the figures; it goes with the run's directory.
             log = (Path(workdir) / "watchdog.log").open("a", encoding="utf-8")
             with log:
                 configure_logging("info", log)
                 results.append(asyncio.run(stall_under(load, Path(workdir))))
+            if load == "none":
+                shutil.copytree(state_dir, history)
         found = results[-1]
         print(
             f"{load}: verdict {found.verdict_s} s, scrape median {found.scrape_p50_ms:.1f} ms,"
             f" p95 {found.scrape_p95_ms:.1f} ms, journal {found.journal_bytes:,} B,"
-            f" spans refused {found.refused}, actions refused {found.actions_refused:,}"
+            f" spans refused {found.refused}, actions refused {found.actions_refused:,},"
+            f" the flood's answers {found.answers}"
         )
     baseline = results[0].verdict_s
     table = []
@@ -259,6 +296,15 @@ def main(argv: list[str] | None = None) -> int:
                 found.journal_bytes <= TARGET_JOURNAL_BYTES,
             ),
         ]
+        if found.load != "none":
+            checks.append(
+                (
+                    f"{found.load}: the flood's answers",
+                    ", ".join(f"{n:,} {status}" for status, n in sorted(found.answers.items())),
+                    "every request answered",
+                    bool(found.answers) and "no answer" not in found.answers,
+                )
+            )
         for figure, measured, target, passed in checks:
             table.append((figure, measured, target, "pass" if passed else "FAIL"))
             ok = ok and passed
@@ -272,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                 "stalls silently under it (impersonation: heartbeats and stage spans in the "
                 "stalled process's own name every 0.3 s, no token; refused POSTs: "
                 "`POST /v1/pause` without the token, 4 connections flat out; readers: "
-                "status, incidents and /metrics, 8 connections flat out). Scrapes every "
+                "status, incidents and /metrics, 8 connections flat out; reports: the HTML "
+                "report of the unloaded run's incident, its journal and bundle carried over, "
+                "16 connections flat out). Scrapes every "
                 f"{SCRAPE_EVERY_S:g} s while it runs; "
                 "`python benchmarks/bench_hostile_stalls.py`."
             ),
