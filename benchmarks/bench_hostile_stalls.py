@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             checks.append(
                 (
                     f"{found.load}: the flood's answers",
-                    ", ".join(f"{n:,} {status}" for status, n in sorted(found.answers.items())),
+                    ", ".join(f"{status}: {n:,}" for status, n in sorted(found.answers.items())),
                     "every request answered",
                     bool(found.answers) and "no answer" not in found.answers,
                 )
