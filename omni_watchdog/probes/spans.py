@@ -1003,7 +1003,7 @@ class SpanReceiver:
             if spoke:
                 heard[None] = now
             if unplaced:
-                self._hold_unplaced(now, resource_spans, resource, trust, unplaced, unplaced_stages)
+                self._hold_unplaced(now, resource_spans, resource, unplaced, unplaced_stages)
             if trust is _Trust.UNRECORDED and counted:
                 self._wait(now, resource, counted, gathered, _compacted(kept), tuple(heard))
             elif counted:
@@ -1071,7 +1071,6 @@ class SpanReceiver:
         now: float,
         resource_spans: Any,
         resource: ResourceInfo,
-        trust: _Trust,
         spans: list[Any],
         stages: set[StageRef],
     ) -> None:

@@ -30,7 +30,7 @@ A diffusion stage reads the same file at every denoising step of its DiT instead
 - `slow:<seconds>`: every step waits that much longer, the CPU free (a device that
   computes slowly).
 
-The other words mean nothing to a denoising step.
+Both places take every word (one dispatch): a test arms the ones that mean something there.
 
 No file, an empty one or an unknown word: no fault. The test writes the file; nothing
 here ever deletes it. The one-forward faults write `stage-<S>.fired` with their word once
@@ -70,14 +70,15 @@ def armed(stage_id: int, environ: dict[str, str] | None = None) -> str:
         return ""
 
 
-def strike(stage_id: int) -> None:
-    """Carry out the fault armed for `stage_id`, if any, in the calling forward."""
+def strike(stage_id: int, place: str = "forward") -> None:
+    """Carry out the fault armed for `stage_id`, if any, in the calling `place` (a forward,
+    or a denoising step)."""
     word = armed(stage_id)
     if not word:
         return
     kind, _, argument = word.partition(":")
     if kind == "raise":
-        raise InjectedFault(f"fault injected into stage {stage_id}'s forward")
+        raise InjectedFault(f"fault injected into stage {stage_id}'s {place}")
     if kind == "block":
         threading.Event().wait()
     elif kind == "exit":
@@ -88,6 +89,8 @@ def strike(stage_id: int) -> None:
         threading.Event().wait(float(argument))
     elif kind == "spin":
         _spin(stage_id)
+    elif kind == "step-work":
+        _work(float(argument))
     elif kind == "jit":
         _once(stage_id, word, lambda: _wait_on_a_busy_child(float(argument)))
     elif kind == "compile":
@@ -98,26 +101,7 @@ def strike(stage_id: int) -> None:
 
 def strike_step(stage_id: int) -> None:
     """Carry out the fault armed for `stage_id`, if any, in the calling denoising step."""
-    word = armed(stage_id)
-    if not word:
-        return
-    kind, _, argument = word.partition(":")
-    if kind == "raise":
-        raise InjectedFault(f"fault injected into stage {stage_id}'s denoising step")
-    if kind == "block":
-        threading.Event().wait()
-    elif kind == "exit":
-        os._exit(1)
-    elif kind == "signal":
-        os.kill(os.getpid(), signal.Signals[f"SIG{argument.upper()}"])
-    elif kind == "spin":
-        _spin(stage_id)
-    elif kind == "step-work":
-        _work(float(argument))
-    elif kind == "slow":
-        threading.Event().wait(float(argument))
-    elif kind == "slow-step":
-        _once(stage_id, word, lambda: _work(float(argument)))
+    strike(stage_id, "denoising step")
 
 
 def _once(stage_id: int, word: str, fault: Callable[[], None]) -> None:
