@@ -6,8 +6,10 @@ The rules (docs/design.md, Detection):
   recorded stage process exits first;
 - `stalled` needs no progress, not slowness: a stage whose counters or spans moved within
   `progress_timeout` is `degraded` at worst, however late its requests are;
-- spans never outweigh the world: a stage with a stopped (T) process, or with counters
-  flat while work is queued, is judged on that whatever its heartbeats and spans say;
+- spans never outweigh the world: a stage with a stopped (T) process, with counters flat
+  while work is queued or waits at it, or read asleep in a denoising step no longer told,
+  is judged on that whatever its heartbeats and spans say; and only counters hold the
+  canary back;
 - a verdict needs two independent kinds of evidence, or one held for `confirm_timeout`
   (never an overdue span alone);
 - `dead` needs a stage process to have exited while the server lives, or a confirmed
@@ -117,6 +119,12 @@ _EXCUSED_BY_WORK = frozenset(
 # lock or a queue is what every idle stage shows, so it proves nothing; neither does a wait
 # on a child, which an idle engine may show on its worker's pipe.
 _BLOCKED_CAUSES = frozenset({SilenceCause.STOPPED, SilenceCause.SPINNING, SilenceCause.DEVICE_WAIT})
+# Causes that say a stage in the middle of a denoising step is not running it: a step
+# computes or waits on its device; asleep on a lock or a queue, stopped, or spinning in
+# one frame, the stage has left it, whatever beats come in its name.
+_STEP_NOT_RUNNING = frozenset(
+    {SilenceCause.LOCK_OR_QUEUE_WAIT, SilenceCause.STOPPED, SilenceCause.SPINNING}
+)
 # Causes that say the work a stage was excused for stopped advancing (its child stopped or
 # idle, its process stopped, its loop spinning): judged at once. Any other end of the work
 # (the stage beats again, or sleeps as its loop picks the result up) is the work done.
@@ -213,6 +221,10 @@ class _StageMemory:
     step_seconds: RollingQuantile = field(default_factory=lambda: RollingQuantile(STEPS_KEPT))
     request_errors: int = 0
     errored: deque[str] = field(default_factory=lambda: deque(maxlen=ERRORED_KEPT))
+    # When it last ended a request it was owed (its span, or its denoising's end): a span
+    # of a request it was not owed says nothing of its loop (anyone with the token can
+    # send one).
+    owed_ended_at: float = 0.0
 
 
 class Detector:
@@ -257,6 +269,9 @@ class Detector:
         # The latest failed /health was an answer (a 503), not a timeout or refusal.
         self._health_answered = False
         self._canary_failed_at: float | None = None
+        # The latest canary answered in time: every request that reached a stage before
+        # it was not in its way.
+        self._canary_passed_at = float("-inf")
         # The latest failed /health (not refused) and canary, while they go on failing.
         self._health_unwell: tuple[float, str] | None = None
         self._canary_last_failed: float | None = None
@@ -349,7 +364,9 @@ class Detector:
 
     def _on_denoise_done(self, obs: Observation) -> None:
         memory = self._memory(obs.stage)
-        if memory is not None:
+        if memory is not None and obs.stage is not None:
+            if self._pending.waits_at(obs.request_id, obs.stage.stage_id):
+                memory.owed_ended_at = max(memory.owed_ended_at, obs.time)
             memory.denoising.pop(obs.request_id, None)
             if obs.value > 0:
                 memory.step_seconds.add(obs.value)
@@ -360,12 +377,14 @@ class Detector:
         Asked by the canary probe when one is due. Where the answer is that the stages'
         beats speak for the server, a canary failure from before lapses: no canary will
         come to clear it, and it is no longer what tells this server's state."""
-        if any(memory.denoising for memory in self._stages.values()):
+        # A stage that left its step is no reason to wait: the canary is what proves it.
+        step_left = any(self._step_left(ref, memory, now) for ref, memory in self._stages.items())
+        if not step_left and any(memory.denoising for memory in self._stages.values()):
             return CanaryPlan.NONE
         types = {stage.stage_id: stage.stage_type for stage in self._topology.stages}
         if not self._diffusion_seen and STAGE_TYPE_DIFFUSION not in types.values():
             return CanaryPlan.TEXT
-        if all(
+        if not step_left and all(
             memory.last_heartbeat is not None
             and now - memory.last_heartbeat <= self._heartbeat_timeout(memory)
             for memory in self._stages.values()
@@ -378,6 +397,44 @@ class Detector:
         if STAGE_TYPE_LLM in entry or any(LLM_STAGE_TITLE in title for title in titles):
             return CanaryPlan.IMAGE_CHAT
         return CanaryPlan.IMAGE
+
+    def _step_silence(self, ref: StageRef, memory: _StageMemory, now: float) -> float:
+        """Seconds a diffusion stage's denoising loop has not shown itself at work on the
+        requests it owes: since the latest of a step of one of them told, one of them
+        ended, and the oldest of them reaching it (a newer arrival, which anyone with the
+        token can make up, shows no work). 0 while it owes none that reached it after the
+        latest canary passed (one before that, its span lost, was not in the canary's
+        way), and for a stage that does not denoise."""
+        oldest = self._pending.oldest_since(ref.stage_id, self._canary_passed_at)
+        if oldest is None or not self._denoises(ref, memory):
+            return 0.0
+        steps = (
+            request.since
+            for request in memory.denoising.values()
+            if self._pending.waits_at(request.request_id, ref.stage_id)
+        )
+        return now - max(memory.owed_ended_at, oldest.due_since, *steps)
+
+    def _step_late(
+        self, ref: StageRef, memory: _StageMemory, now: float, share: float = 1.0
+    ) -> bool:
+        """The stage owes requests and has shown no work on them for `share` of its
+        allowance. Its beats may still come (a holder of the OTLP token can send them in
+        its name); its steps of the requests it owes, which only its denoising loop tells,
+        have stopped."""
+        return self._step_silence(ref, memory, now) > share * self._heartbeat_timeout(memory)
+
+    def _step_left(self, ref: StageRef, memory: _StageMemory, now: float) -> bool:
+        """Its step is late and its process was read not running it: asleep on a lock or a
+        queue, stopped, or spinning in one frame. A step that computes or waits on its
+        device is work, however late (a 3 s step of a stage that learned 40 ms ones)."""
+        cause = memory.cause
+        return (
+            cause is not None
+            and not cause.working
+            and cause.cause in _STEP_NOT_RUNNING
+            and self._step_late(ref, memory, now)
+        )
 
     def _denoises(self, ref: StageRef, memory: _StageMemory) -> bool:
         """A diffusion stage: the topology says so, or it told denoising steps."""
@@ -396,7 +453,6 @@ class Detector:
         memory.progress_moved_at = obs.time
         if obs.value > 0:
             memory.step_seconds.add(obs.value)
-        self._last_progress = obs.time
         known = memory.denoising.get(obs.request_id)
         if known is not None and known.step > obs.step:
             return  # a late span of an earlier step
@@ -408,9 +464,11 @@ class Detector:
 
     def _on_stage_span(self, obs: Observation) -> None:
         failed = obs.outcome is SpanOutcome.ERROR
-        if obs.stage is not None:
-            self._pending.stage_done(obs.request_id, obs.stage.stage_id, obs.time, failed)
         memory = self._memory(obs.stage)
+        if obs.stage is not None:
+            if memory is not None and self._pending.waits_at(obs.request_id, obs.stage.stage_id):
+                memory.owed_ended_at = max(memory.owed_ended_at, obs.time)
+            self._pending.stage_done(obs.request_id, obs.stage.stage_id, obs.time, failed)
         if memory is None:
             return
         memory.denoising.pop(obs.request_id, None)
@@ -425,7 +483,6 @@ class Detector:
         else:
             memory.last_span_ok = obs.time
             memory.durations.add(obs.value)
-            self._last_progress = obs.time
 
     def _on_progress(self, obs: Observation) -> None:
         memory = self._memory(obs.stage)
@@ -489,6 +546,7 @@ class Detector:
         if self._blind_during(obs):
             return
         if obs.outcome is HealthOutcome.OK:
+            self._canary_passed_at = obs.time
             self._canary_failed_at = None
             self._canary_last_failed = None
             self._canary_detail = ""
@@ -603,7 +661,9 @@ class Detector:
         return self._stage_exit_seen or now >= self._attached + self._config.startup_timeout
 
     def last_progress(self) -> float | None:
-        """When any stage last showed organic progress, for scheduling the canary."""
+        """When any stage's counters last moved on the server's /metrics, for scheduling
+        the canary. Spans do not count: a holder of the OTLP token could send them, and a
+        stage's forged successes held every canary back from a deadlocked server."""
         return self._last_progress
 
     def deadline(self, stage_id: int) -> float:
@@ -704,7 +764,7 @@ class Detector:
             excused = self._excused(memory, now)
             evidence = [e for e in own[ref] if e.kind not in excused]
             set_aside = len(evidence) < len(own[ref])
-            held_up = self._held_up(memory, evidence, now)
+            held_up = self._held_up(ref, memory, evidence, now)
             if shared and self._answers_for_target(ref, memory, evidence, held_up, now):
                 charged = [
                     Evidence(kind, ref, since, detail)
@@ -1020,6 +1080,11 @@ class Detector:
             # Without heartbeats a failing canary or /health is the only sign of a silence:
             # what each stage is doing is what may prove which one fails it.
             return True
+        if self._unworked_for(ref, memory, now) > SILENT_SHARE * config.progress_timeout:
+            # Its beats may be forged, its counters are not: what it does names the cause.
+            return True
+        if self._step_late(ref, memory, now, SILENT_SHARE):
+            return True
         # A stage that beats has the requests on it told by its spans: vLLM-Omni 0.30
         # leaves its load gauges at the last batch's counts, and every stage of an idle
         # server, its gauge at 1 and its counters flat between two canaries, was read.
@@ -1137,11 +1202,25 @@ class Detector:
         )
         return [Verdict(culprit.stage, StageState.DEAD, now, evidence)]
 
-    def _held_up(self, memory: _StageMemory, evidence: list[Evidence], now: float) -> bool:
-        """The world says the stage cannot be working: one of its processes is stopped, or
-        its counters are flat with work queued. Heartbeats and spans, which anyone who can
-        reach the receiver could send, never outweigh that."""
-        if any(e.kind is EvidenceKind.PROGRESS_FLAT for e in evidence):
+    def _held_up(
+        self, ref: StageRef, memory: _StageMemory, evidence: list[Evidence], now: float
+    ) -> bool:
+        """The world says the stage cannot be working: one of its processes is stopped; its
+        counters are flat with work queued (its load gauges say so, or a request waits at
+        it and its step counters have not moved since); or it left a denoising step
+        (`_step_left`). Heartbeats and spans, which a holder of the OTLP token could send
+        in its name, never outweigh that: with beats and successful stage spans forged
+        every 0.2 s, a deadlocked stage stayed degraded and no incident came in 60 s."""
+        kinds = {e.kind for e in evidence}
+        if EvidenceKind.PROGRESS_FLAT in kinds:
+            return True
+        if EvidenceKind.SPAN_OVERDUE in kinds and self._unworked_for(ref, memory, now) > (
+            self._config.progress_timeout
+        ):
+            return True
+        if self._step_left(ref, memory, now):
+            # A diffusion stage's counters move once an image: what its process does
+            # while its step is late is what the watchdog sees for itself.
             return True
         return any(
             p.exited_at is None
@@ -1187,6 +1266,12 @@ class Detector:
             default=0.0,
         )
         return oldest, max(oldest.due_since, memory.progress_changed_at or 0.0, runnable)
+
+    def _unworked_for(self, ref: StageRef, memory: _StageMemory, now: float) -> float:
+        """The seen seconds a request has waited at the stage with its step counters flat
+        (`_waiting_unworked`); 0 while none does."""
+        unworked = self._waiting_unworked(ref, memory, now)
+        return 0.0 if unworked is None else self._blind.seen(unworked[1], now)
 
     def _load(self, memory: _StageMemory, now: float) -> float:
         """Requests on the stage, or 0 when the last scrape is too old to say."""

@@ -164,6 +164,19 @@ class PendingRequests:
         """The request that has waited longest at the stage."""
         return next(iter(self._by_stage.get(stage_id, {}).values()), None)
 
+    def oldest_since(self, stage_id: int, moment: float) -> PendingRequest | None:
+        """The request that has waited longest at the stage of those that reached it after
+        `moment`."""
+        return next(
+            (p for p in self._by_stage.get(stage_id, {}).values() if p.due_since > moment),
+            None,
+        )
+
+    def waits_at(self, request_id: str, stage_id: int) -> bool:
+        """The request is owed the span of `stage_id`."""
+        pending = self._where.get(request_id)
+        return pending is not None and pending.stage_id == stage_id
+
     def __len__(self) -> int:
         return len(self._where)
 

@@ -8,6 +8,9 @@ past it); a request that one stage fails is a request error, counted once, never
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+
 import pytest
 
 from omni_watchdog.clock import FakeClock
@@ -24,14 +27,18 @@ from omni_watchdog.types import (
     HealthOutcome,
     Observation,
     ObservationKind,
+    ProcessActivity,
     ProcessInfo,
     ProcessRole,
     ProcessStatus,
+    SilenceCause,
     SpanOutcome,
     Stage,
     StageRef,
     StageState,
+    ThreadActivity,
     Topology,
+    Verdict,
 )
 
 S0 = StageRef(0)
@@ -290,3 +297,145 @@ def test_a_canary_failure_lapses_once_the_beats_speak_for_the_server(beats_spoke
     kinds = {e.kind for e in status.evidence}
     assert EvidenceKind.HEARTBEAT_LOST in kinds
     assert (EvidenceKind.CANARY_FAILED in kinds) is not beats_spoke
+
+
+DIT_WORKER = ProcessInfo(
+    201, 2.0, 100, 100, 100, "dit", ProcessStatus.SLEEPING, 1.0, ProcessRole.WORKER, S0
+)
+WAIT_FRAMES = ("wait (/usr/lib/python3.11/threading.py:327)", "step (/models/dit.py:40)")
+
+
+def dit_reading(now: float, asleep: bool) -> Observation:
+    """The DiT worker as /proc and its stack show it: asleep on a lock in the same frames,
+    or computing its step (running, its CPU time and frames moving)."""
+    if asleep:
+        thread = ThreadActivity(201, "S", "futex_do_wait", 5.0, 0.1, WAIT_FRAMES)
+    else:
+        frames = (f"forward (/models/dit.py:{10 + int(now * 4) % 7})", "step (/models/dit.py:40)")
+        thread = ThreadActivity(201, "R", "", 5.0 + now, 0.1, frames)
+    activity = ProcessActivity(201, now, (thread,), (), True)
+    return Observation(ObservationKind.ACTIVITY, now, S0, activity=activity)
+
+
+@dataclass
+class Dit:
+    """A one-stage DiT that gets one image at 6 s. Beats and successful spans of other
+    requests keep coming in its name every second (a holder of the OTLP token)."""
+
+    # Its process is read asleep on a lock from 7 s, or running its step.
+    asleep: bool = True
+    # The steps of the image told (0.5 s apart), the first at 6 s.
+    steps_told: int = 2
+    # The image's span comes this long after its last step told; never, unless given.
+    span_after: float | None = None
+    # Every canary the detector plans (one each 2 s at most) passes, or times out.
+    canary_passes: bool = False
+    canaries: list[float] = field(default_factory=list)
+
+    def drive(self, seconds: float) -> list[DetectorReport]:
+        clock = FakeClock()
+        detector = Detector(DEFAULTS, ONE_DIT, clock.monotonic())
+        start = clock.monotonic()
+        reports: list[DetectorReport] = []
+        last_step = 6.0 + 0.5 * (self.steps_told - 1)
+        for tick in range(int(seconds / TICK) + 1):
+            now = clock.monotonic()
+            elapsed = now - start
+            out = [
+                Observation(ObservationKind.HEALTH, now, outcome=HealthOutcome.OK),
+                Observation(
+                    ObservationKind.PROCESS, now, process=DIT_WORKER, outcome=DIT_WORKER.status
+                ),
+            ]
+            if tick % 4 == 0:
+                out.append(Observation(ObservationKind.HEARTBEAT, now, stage=S0))
+                out.append(
+                    Observation(
+                        ObservationKind.STAGE_SPAN,
+                        now,
+                        S0,
+                        0.5,
+                        SpanOutcome.OK,
+                        request_id=f"forged-{tick}",
+                    )
+                )
+            if elapsed == 6.0:
+                out.append(
+                    Observation(ObservationKind.REQUEST_ADMITTED, now, request_id="img", path=(0,))
+                )
+            index = int((elapsed - 6.0) * 2) + 1
+            if elapsed >= 6.0 and elapsed % 0.5 == 0 and index <= self.steps_told:
+                out += step(now, "img", index, 4, 0.5)[1:]
+            if self.span_after is not None and elapsed == last_step + self.span_after:
+                out.append(
+                    Observation(
+                        ObservationKind.STAGE_SPAN, now, S0, 2.0, SpanOutcome.OK, request_id="img"
+                    )
+                )
+            if elapsed >= 7.0 and tick % 2 == 0:
+                out.append(dit_reading(now, self.asleep))
+            # From the image on: before its first beat, a DiT gets a canary anyway.
+            planned = elapsed >= 6.0 and detector.canary_plan(now) is not CanaryPlan.NONE
+            if planned and (not self.canaries or elapsed - self.canaries[-1] >= 2.0):
+                self.canaries.append(elapsed)
+                outcome = HealthOutcome.OK if self.canary_passes else HealthOutcome.TIMEOUT
+                out.append(Observation(ObservationKind.CANARY, now, value=2.0, outcome=outcome))
+            detector.observe(out)
+            reports.append(dataclasses.replace(detector.evaluate(now), time=elapsed))
+            clock.advance(TICK)
+        return reports
+
+
+def verdicts_of(reports: list[DetectorReport]) -> list[Verdict]:
+    return [v for r in reports for v in r.verdicts]
+
+
+@pytest.mark.parametrize(
+    "dit",
+    [Dit(steps_told=2), Dit(steps_told=0)],
+    ids=["its steps stop at step 2", "it stops before its first step"],
+)
+def test_a_step_left_for_a_lock_is_judged_whatever_beats_come_in_the_stage_s_name(
+    dit: Dit,
+) -> None:
+    """Its steps, which only its denoising loop tells, stop; its process sleeps on a lock;
+    the canary, planned once its step is late, times out behind the image."""
+    reports = dit.drive(25.0)
+    (verdict,) = verdicts_of(reports)
+    assert verdict.state is StageState.STALLED
+    kinds = {e.kind for e in verdict.evidence}
+    assert kinds >= {EvidenceKind.CANARY_FAILED, EvidenceKind.SPAN_OVERDUE}
+    assert verdict.cause is not None
+    assert verdict.cause.cause is SilenceCause.LOCK_OR_QUEUE_WAIT
+    # Overdue from 16 s (the 10 s floor); the canary failing by then.
+    assert reports[-1].time >= 6.0 + DEFAULTS.overdue_floor
+    (judged_at,) = [r.time for r in reports if r.verdicts]
+    assert judged_at <= 6.0 + DEFAULTS.overdue_floor + 1.0
+    assert dit.canaries and dit.canaries[0] <= 6.5 + 2 * DEFAULTS.heartbeat_timeout
+
+
+def test_a_step_that_computes_is_never_judged_for_a_failing_canary() -> None:
+    """A long step, its process running and its frames moving: work that advances,
+    however late its step, within the work budget; no canary is sent behind it."""
+    dit = Dit(asleep=False)
+    reports = dit.drive(40.0)
+    assert not verdicts_of(reports)
+    assert {s.state for s in reports[-1].statuses} <= {StageState.HEALTHY, StageState.DEGRADED}
+    assert dit.canaries == []
+
+
+def test_an_image_whose_span_was_lost_costs_one_canary_and_no_verdict() -> None:
+    """The image's steps are all told and its span never comes; the stage sleeps, idle. It
+    owes the image as far as the watchdog knows: one canary goes, passes through it, and
+    says the image was not in its way."""
+    dit = Dit(steps_told=4, canary_passes=True)
+    reports = dit.drive(60.0)
+    assert not verdicts_of(reports)
+    assert len(dit.canaries) == 1, dit.canaries
+
+
+def test_an_image_that_ends_costs_no_canary() -> None:
+    dit = Dit(steps_told=4, span_after=0.5)
+    reports = dit.drive(30.0)
+    assert not verdicts_of(reports)
+    assert dit.canaries == []

@@ -76,6 +76,11 @@ class Talker:
     # When its span arrives, after the request reached it; never, unless given.
     span_after: float | None = None
     replicas: tuple[StageRef, ...] = (S1,)
+    # Each second, successful spans of other requests in its name (a holder of the OTLP
+    # token can send them; so can a stage that serves others while this request waits).
+    other_successes: bool = False
+    # The canary, sent every 2 s once the request reached it, times out from this moment.
+    canary_fails_from: float | None = None
     history: list[DetectorReport] = field(default_factory=list)
 
     def steps(self, since_arrival: float) -> int:
@@ -107,6 +112,24 @@ def drive(talker: Talker, seconds: float, topology: Topology = PIPELINE) -> list
                     out.append(
                         Observation(ObservationKind.PROGRESS, now, ref, value, detail=detail)
                     )
+            if talker.other_successes and since >= 0:
+                out.append(
+                    Observation(
+                        ObservationKind.STAGE_SPAN,
+                        now,
+                        S1,
+                        0.5,
+                        SpanOutcome.OK,
+                        request_id=f"other-{tick}",
+                    )
+                )
+        if tick % 8 == 0 and talker.canary_fails_from is not None:
+            canary = HealthOutcome.TIMEOUT if since >= talker.canary_fails_from else None
+            out.append(
+                Observation(
+                    ObservationKind.CANARY, now, value=2.0, outcome=canary or HealthOutcome.OK
+                )
+            )
         status = ProcessStatus.SLEEPING
         if talker.frozen and since >= 0:
             status = ProcessStatus.STOPPED
@@ -167,6 +190,13 @@ STALLS = [
         "its engine stopped (T) while its loop beats on",
         Talker(frozen=True, steps_at=(0.5,)),
         {EvidenceKind.PROCESS_STUCK, EvidenceKind.SPAN_OVERDUE},
+    ),
+    (
+        # Beats and successes in its name, forged by a holder of the OTLP token: its own
+        # counters, flat while the request waits, and the failing canary outweigh them.
+        "its loop beats and successful spans come in its name, its counters stay flat",
+        Talker(steps_at=(0.5,), other_successes=True, canary_fails_from=1.0),
+        {EvidenceKind.SPAN_OVERDUE, EvidenceKind.CANARY_FAILED},
     ),
 ]
 
@@ -255,3 +285,32 @@ def test_a_lost_span_at_an_idle_beating_stage_is_never_a_verdict() -> None:
     assert overdue_before(reports[-1:], until + STEP)
     assert verdict_at(reports) is None
     assert set(talker_states(reports)) <= {StageState.HEALTHY, StageState.DEGRADED}
+
+
+def test_a_stage_whose_counters_move_does_not_answer_for_a_failing_canary() -> None:
+    """The canary fails, but the talker's counters move and its spans come: it works, and
+    is not blamed for a failure that is not its own (nothing else is judged here)."""
+    talker = Talker(steps_every=0.5, other_successes=True, canary_fails_from=1.0)
+    reports = drive(talker, AT_TALKER + 3 * CONFIG.confirm_timeout)
+    assert verdict_at(reports) is None
+    assert StageState.STALLED not in talker_states(reports)
+
+
+def test_only_counters_on_the_servers_metrics_hold_the_canary_back() -> None:
+    """The canary goes out once nothing has moved for its interval. Successful spans and
+    denoising steps do not count: a holder of the OTLP token could send them in a stalled
+    stage's name, and they held every canary back from a deadlocked server."""
+    clock = FakeClock()
+    detector = Detector(CONFIG, PIPELINE, clock.monotonic())
+    spans = [
+        Observation(ObservationKind.STAGE_SPAN, 1.0, S1, 0.5, SpanOutcome.OK, request_id="r"),
+        Observation(ObservationKind.DENOISE_STEP, 2.0, S1, 0.5, request_id="r", step=1, steps=9),
+    ]
+    detector.observe(spans)
+    assert detector.last_progress() is None
+    counters = [
+        Observation(ObservationKind.PROGRESS, at, S1, value, detail=STEP_COUNTERS)
+        for at, value in ((3.0, 10.0), (4.0, 11.0))
+    ]
+    detector.observe(counters)
+    assert detector.last_progress() == 4.0

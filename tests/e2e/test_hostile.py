@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from e2e.forgery import forge, outsider, traces_url
 from e2e.harness import (
     ACCEPTED,
     FAST,
@@ -29,8 +30,6 @@ from e2e.harness import (
     warmed_up,
     with_fault,
 )
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from ports import free_port
 
 from omni_watchdog.app import Watchdog
@@ -47,18 +46,13 @@ from omni_watchdog.factory import build_watchdog
 from omni_watchdog.policy.incidents import TargetLock, lock_dir_for
 from omni_watchdog.process_start import sender_attributes, start_time
 from omni_watchdog.semconv import (
-    HEARTBEAT_SPAN,
     PROCESS_PID,
-    REQUEST_ADMITTED_SPAN,
-    REQUEST_ID,
-    REQUEST_STAGE_PATH,
-    STAGE_ID,
-    STAGE_REQUEST_SPAN,
 )
 from omni_watchdog.types import (
     IncidentOutcome,
     Mode,
     ProcessIdentity,
+    SilenceCause,
     StageRef,
     StageState,
     StepName,
@@ -66,69 +60,6 @@ from omni_watchdog.types import (
 
 pytestmark = pytest.mark.e2e
 S0, S1 = StageRef(0), StageRef(1)
-PROTOBUF = {"Content-Type": "application/x-protobuf"}
-
-
-def _value(value: object) -> AnyValue:
-    if isinstance(value, int):
-        return AnyValue(int_value=value)
-    return AnyValue(string_value=str(value))
-
-
-def forged_body(sender: Mapping[str, object], stages: list[int], serial: int) -> bytes:
-    """What a forger posts: heartbeats, stage spans and admissions for `stages`."""
-    request = ExportTraceServiceRequest()
-    resource_spans = request.resource_spans.add()
-    resource_spans.resource.attributes.extend(
-        KeyValue(key=key, value=_value(value)) for key, value in sender.items()
-    )
-    spans = resource_spans.scope_spans.add().spans
-    for index, stage in enumerate(stages):
-        for offset, name in enumerate((HEARTBEAT_SPAN, STAGE_REQUEST_SPAN, REQUEST_ADMITTED_SPAN)):
-            number = serial * 100_000 + index * 3 + offset + 1
-            span = spans.add(
-                name=name,
-                trace_id=number.to_bytes(16, "big"),
-                span_id=number.to_bytes(8, "big"),
-            )
-            span.attributes.extend(
-                [
-                    KeyValue(key=STAGE_ID, value=_value(stage)),
-                    KeyValue(key=REQUEST_ID, value=_value(f"forged-{number}")),
-                ]
-            )
-            if name == REQUEST_ADMITTED_SPAN:
-                path = KeyValue(key=REQUEST_STAGE_PATH)
-                path.value.array_value.values.extend([_value(0), _value(1)])
-                span.attributes.append(path)
-    return request.SerializeToString()
-
-
-def outsider() -> dict[str, object]:
-    """This test process: on the same host, outside the target's tree."""
-    return {PROCESS_PID: os.getpid(), **sender_attributes(os.getpid())}
-
-
-async def forge(
-    url: str, sender: Mapping[str, object], stages: list[int], stop: asyncio.Event
-) -> int:
-    """Post forged spans every 0.2 s until `stop`; the number of bodies the receiver took."""
-    taken = 0
-    serial = 0
-    async with aiohttp.ClientSession() as session:
-        while not stop.is_set():
-            serial += 1
-            body = forged_body(sender, stages, serial)
-            async with session.post(url, data=body, headers=PROTOBUF) as response:
-                await response.read()
-                taken += response.status == 200
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.2)
-    return taken
-
-
-def traces_url(watchdog: Any) -> str:
-    return f"http://127.0.0.1:{watchdog.otlp_port}/v1/traces"
 
 
 def refused_more(watchdog: Any, before: Mapping[str, int]) -> bool:
@@ -189,6 +120,9 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
     run_scenario(scenario())
 
 
+OTLP_TOKEN = "the-otlp-token"
+
+
 @pytest.mark.parametrize(
     ("fault", "forger"),
     [
@@ -201,11 +135,19 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
         # in its own name and in the API server's: the connection they come on is not
         # theirs.
         ("silent-stall", "the stage's own process and the API server's"),
+        # The same, forged by a holder of the OTLP token, whose spans the receiver takes:
+        # the stage's step counters, flat while requests wait at it, and the failing
+        # canary outweigh them, and the verdict names what its process is doing.
+        ("silent-stall", "a holder of the OTLP token"),
     ],
 )
 def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: str) -> None:
+    token = OTLP_TOKEN if forger == "a holder of the OTLP token" else ""
+    overrides = merge_layers(FAST, {"otlp_token": token}) if token else FAST
+    sim_env = {**SIM_ENV, "OMNI_WATCHDOG_OTLP_TOKEN": token} if token else SIM_ENV
+
     async def scenario() -> None:
-        async with attached(tmp_path, [], "0.30", "enforce", FAST, None, SIM_ENV) as (
+        async with attached(tmp_path, [], "0.30", "enforce", overrides, None, sim_env) as (
             watchdog,
             server,
         ):
@@ -215,13 +157,14 @@ def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: st
                 "outsider": [],
                 "the stage's own process": [engine],
                 "the stage's own process and the API server's": [engine, server.process.pid],
+                "a holder of the OTLP token": [engine, server.process.pid],
             }[forger]
             senders = [{PROCESS_PID: pid, **sender_attributes(pid)} for pid in claimed]
             refused_before = dict(watchdog.receiver.stats.spans_rejected)
             stop = asyncio.Event()
             url = traces_url(watchdog)
             forging = [
-                asyncio.create_task(forge(url, sender, [0], stop))
+                asyncio.create_task(forge(url, sender, [0], stop, token))
                 for sender in senders or [outsider()]
             ]
             await asyncio.sleep(1)
@@ -231,12 +174,17 @@ def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: st
                 incident = await incident_done(watchdog, 60)
             finally:
                 stop.set()
-                await asyncio.gather(*forging)
+                taken = await asyncio.gather(*forging)
             (verdict,) = incident.verdicts
             assert (verdict.stage, verdict.state) == (S0, StageState.STALLED), incident.cause
-            if forger != "outsider":
+            refused = watchdog.receiver.stats.spans_rejected
+            if token:
+                # Taken all along, and outweighed.
+                assert min(taken) > 10 and refused == refused_before, (taken, refused)
+                assert verdict.cause is not None, incident.cause
+                assert verdict.cause.cause is SilenceCause.LOCK_OR_QUEUE_WAIT, verdict.cause
+            elif forger != "outsider":
                 # Refused for what they are, not only outweighed.
-                refused = watchdog.receiver.stats.spans_rejected
                 assert refused["unproven_sender"] > refused_before["unproven_sender"], refused
             assert incident.outcome in (
                 IncidentOutcome.RECOVERED_BY_SHUTDOWN,

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
+from e2e.forgery import forge, traces_url
 from e2e.harness import (
     FAST,
     RECOVERED,
@@ -37,11 +38,14 @@ from e2e.harness import (
 )
 from sim.sim_helpers import CONFIGS, Sim, wait_until
 
+from omni_watchdog.config import merge_layers
 from omni_watchdog.demo import REPORT_REQUEST, wait_for
 from omni_watchdog.log import configure_logging
+from omni_watchdog.process_start import sender_attributes
+from omni_watchdog.semconv import PROCESS_PID
 from omni_watchdog.sim.diffusion import DIFFUSION_TITLE
 from omni_watchdog.sim.pipelines import IMAGE_PIPELINE, write_stage_config
-from omni_watchdog.types import StageRef, StageState
+from omni_watchdog.types import SilenceCause, StageRef, StageState
 
 pytestmark = pytest.mark.e2e
 
@@ -57,10 +61,16 @@ def run(
     sim_args: list[str] | None = None,
     remediated: bool = True,
     config: dict[str, Any] = FAST,
+    otlp_token: str = "",
 ) -> None:
-    """`body(watchdog, server)` against the image pipeline, the watchdog told its stages."""
+    """`body(watchdog, server)` against the image pipeline, the watchdog told its stages,
+    and the receiver and the plugin given `otlp_token` where there is one."""
     configure_logging("debug", (tmp_path / "watchdog.log").open("a"))
     stage_config = write_stage_config(IMAGE_PIPELINE, tmp_path / "image-pipeline.yaml")
+    sim_env = dict(SIM_ENV)
+    if otlp_token:
+        config = merge_layers(config, {"otlp_token": otlp_token})
+        sim_env["OMNI_WATCHDOG_OTLP_TOKEN"] = otlp_token
 
     async def scenario() -> list[int]:
         async with attached(
@@ -70,7 +80,7 @@ def run(
             "enforce",
             config,
             [*IMAGE_ARGS, *(sim_args or [])],
-            SIM_ENV,
+            sim_env,
             stage_config,
         ) as (watchdog, server):
             await body(watchdog, server)
@@ -161,6 +171,44 @@ def test_a_blocked_denoising_step_is_a_stall_that_is_remediated(tmp_path: Path) 
         assert_released(incident)
 
     run(tmp_path, body)
+
+
+def test_a_blocked_step_is_judged_whatever_a_holder_of_the_otlp_token_forges(
+    tmp_path: Path,
+) -> None:
+    """Beats and successful stage spans come every 0.2 s in the DiT's name and in the API
+    server's, with the receiver's token, while a denoising step blocks. Its steps stop,
+    its process is read asleep on a lock, and the image canary, sent once a step is
+    late, fails behind it: those outweigh the forged beats (before, no incident in 60 s)."""
+    token = "the-otlp-token"
+
+    async def body(watchdog: Any, server: Any) -> None:
+        await warmed_up(watchdog)
+        status, answer = await image(server.url)
+        assert status == 200, answer
+        dit = next(p for p in watchdog.tracker.live() if p.stage == DIT).pid
+        senders = [
+            {PROCESS_PID: pid, **sender_attributes(pid)} for pid in (dit, server.process.pid)
+        ]
+        stop = asyncio.Event()
+        url = traces_url(watchdog)
+        forging = [asyncio.create_task(forge(url, s, [1], stop, token)) for s in senders]
+        await with_fault(server, {"kind": "denoise-block", "stage": 1})
+        blocked = asyncio.create_task(image(server.url))
+        try:
+            incident = await incident_done(watchdog, 60)
+        finally:
+            stop.set()
+            taken = await asyncio.gather(*forging)
+            blocked.cancel()
+        assert min(taken) > 10, taken
+        (verdict,) = incident.verdicts
+        assert (verdict.stage, verdict.state) == (DIT, StageState.STALLED), described([incident])
+        assert verdict.cause is not None, described([incident])
+        assert verdict.cause.cause is SilenceCause.LOCK_OR_QUEUE_WAIT, verdict.cause
+        assert incident.outcome in RECOVERED, steps_of(incident)
+
+    run(tmp_path, body, otlp_token=token)
 
 
 def test_a_denoising_step_that_raises_fails_one_request_and_nothing_else(tmp_path: Path) -> None:

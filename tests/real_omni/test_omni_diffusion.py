@@ -20,12 +20,14 @@ from typing import Any
 import aiohttp
 import explain
 import pytest
+from e2e.forgery import forge, traces_url
 from e2e.harness import RECOVERED, all_healthy, incident_done, state, steps_of
 from real_omni.judging import shipped, verdict_on
 from real_omni.server import (
     DIFFUSION_READY_TIMEOUT,
     FAULTS_DIR,
     IMAGES_PATH,
+    OTLP_TOKEN,
     READY_TIMEOUT,
     Faults,
     OmniServer,
@@ -40,6 +42,8 @@ from real_vllm.client import gone, health_status
 from real_vllm.server import Shared, VllmServer, start_ready
 
 from omni_watchdog.demo import wait_for
+from omni_watchdog.process_start import sender_attributes
+from omni_watchdog.semconv import PROCESS_PID
 from omni_watchdog.types import ProcessRole, StageRef, StageState
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -177,9 +181,22 @@ def test_inline_server_waits_for_a_slow_image_and_ends_a_stuck_step(
             assert status.seconds_per_step is not None and status.seconds_per_step >= 2.0
 
             # A step that never ends: /health stays 200, nothing in vLLM-Omni times out.
+            # Meanwhile a holder of the OTLP token forges beats and successful stage spans
+            # in the worker's name every 0.2 s: its steps stop, its process sleeps, and the
+            # image canary fails behind the step, which outweighs them.
+            stop = asyncio.Event()
+            sender = {PROCESS_PID: worker.pid, **sender_attributes(worker.pid)}
+            forging = asyncio.create_task(
+                forge(traces_url(watchdog), sender, [DIT.stage_id], stop, OTLP_TOKEN)
+            )
             faults.arm(DIT.stage_id, "block")
             stuck = asyncio.create_task(post(session, url, image_generation_body(), 90))
-            incident = await incident_done(watchdog, 90)
+            try:
+                incident = await incident_done(watchdog, 90)
+            finally:
+                stop.set()
+                taken = await forging
+            assert taken > 5, taken
             verdict = verdict_on(incident, DIT)
             assert verdict is not None and verdict.state is StageState.STALLED, incident
             assert verdict.cause is not None and not verdict.cause.working, verdict

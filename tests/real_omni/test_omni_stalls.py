@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from e2e.forgery import forge, traces_url
 from e2e.harness import (
     ACCEPTED,
     OPERATOR_TOKEN,
@@ -26,13 +27,15 @@ from e2e.harness import (
     steps_of,
 )
 from real_omni.judging import in_background, step_of, verdict_on
-from real_omni.server import OmniServer, engine_of, watched
+from real_omni.server import OTLP_TOKEN, OmniServer, engine_of, watched
 from real_vllm.client import (
     evidence_kinds,
     health_status,
 )
 
 from omni_watchdog.demo import wait_for
+from omni_watchdog.process_start import sender_attributes
+from omni_watchdog.semconv import PROCESS_PID
 from omni_watchdog.types import (
     EvidenceKind,
     IncidentOutcome,
@@ -53,6 +56,10 @@ HELD_FOR_S = 2.0
 def test_blocked_forward_is_planned_in_dry_run_and_ended_once_on_call_approves(
     fresh_omni: Callable[..., OmniServer], tmp_path: Path
 ) -> None:
+    """Meanwhile a holder of the OTLP token forges heartbeats and successful stage spans
+    every 0.2 s in the blocked engine's name and the API server's: the stage's counters,
+    flat while requests wait at it, and the failing canary outweigh them (before, the
+    stage stayed degraded, no canary went out, and nothing was planned)."""
     server, faults = fresh_omni()
     code2wav = StageRef(2)
 
@@ -61,14 +68,34 @@ def test_blocked_forward_is_planned_in_dry_run_and_ended_once_on_call_approves(
             watched(server, tmp_path, "dry-run", ON_CALL) as watchdog,
             aiohttp.ClientSession() as session,
         ):
+            claimed = (engine_of(server, code2wav.stage_id).pid, server.process.pid)
+            stop = asyncio.Event()
+            forging = [
+                asyncio.create_task(
+                    forge(
+                        traces_url(watchdog),
+                        {PROCESS_PID: pid, **sender_attributes(pid)},
+                        [code2wav.stage_id],
+                        stop,
+                        OTLP_TOKEN,
+                    )
+                )
+                for pid in claimed
+            ]
             faults.arm(code2wav.stage_id, "block")
             in_background(server, session)
-            # vLLM-Omni 0.30 answers /health with 200 all along: only the watchdog tells.
-            await wait_for(lambda: state(watchdog, code2wav) is not StageState.HEALTHY, 30)
-            assert await health_status(session, server) == 200
-            plan = await incident_done(watchdog, 90)
+            try:
+                # vLLM-Omni 0.30 answers /health with 200 all along: only the watchdog tells.
+                await wait_for(lambda: state(watchdog, code2wav) is not StageState.HEALTHY, 30)
+                assert await health_status(session, server) == 200
+                plan = await incident_done(watchdog, 90)
+            finally:
+                stop.set()
+                taken = await asyncio.gather(*forging)
+            assert min(taken) > 5, taken
             verdict = verdict_on(plan, code2wav)
             assert verdict is not None and verdict.state is StageState.STALLED, plan
+            assert verdict.cause is not None, plan
             assert EvidenceKind.HEALTH_FAILED not in evidence_kinds(plan)
             assert plan.outcome is IncidentOutcome.PLANNED and server.process.poll() is None
 
