@@ -9,6 +9,8 @@ watchdog's), the journal's size after, and what the receiver refused. Loads:
 - none: the baseline;
 - impersonation: heartbeats and successful stage spans in the stalled stage process's
   own name (pid, start and boot id read from /proc), every 0.3 s, with no token;
+- token holder: the same, with the OTLP token the watchdog and the plugin are given, so
+  the receiver takes them: what the watchdog reads for itself must outweigh them;
 - refused POSTs: `POST /v1/pause` without the operator's token, 4 connections flat out;
 - readers: `GET /v1/status`, `/v1/incidents` and `/metrics`, 8 connections flat out;
 - reports: `GET /v1/incidents/<id>/report` of the unloaded run's incident (its journal
@@ -65,7 +67,8 @@ from omni_watchdog.types import StageRef
 
 SECTION = "Stalls under hostile load"
 FLOODS = ("impersonation", "refused POSTs", "readers", "reports")
-LOADS = ("none", *FLOODS, "mixed")
+LOADS = ("none", *FLOODS, "token holder", "mixed")
+OTLP_TOKEN = "bench-otlp-token"
 IDLE_CONNECTIONS = 200
 # A stall is judged within the unloaded run's time and this much more.
 VERDICT_SLACK_S = 2.0
@@ -80,9 +83,11 @@ FLOOD_SECONDS = 2.0
 # loop, `pause` seconds apart, until SIGTERM; then it prints its answers' statuses as JSON.
 FLOOD = r"""
 import collections, http.client, json, os, signal, sys, threading, time
-method, port, path, content_type, body_file, threads, pause = sys.argv[1:8]
+method, port, path, content_type, body_file, threads, pause, token = sys.argv[1:9]
 body = open(body_file, "rb").read() if body_file != "-" else None
 headers = {"Content-Type": content_type}
+if token != "-":
+    headers["Authorization"] = "Bearer " + token
 paths = path.split(",")
 answers = collections.Counter()
 def run():
@@ -164,11 +169,13 @@ def start_floods(load: str, watchdog: Any, workdir: Path) -> list[subprocess.Pop
 
 def start_flood(load: str, watchdog: Any, workdir: Path) -> subprocess.Popen[bytes]:
     api, otlp = watchdog.api_port, watchdog.otlp_port
-    if load == "impersonation":
+    token = "-"
+    if load in ("impersonation", "token holder"):
         engine = next(p for p in watchdog.tracker.live() if p.stage == StageRef(0))
         body = workdir / "forged.bin"
         body.write_bytes(forged_body(engine.pid))
         args = ["POST", otlp, "/v1/traces", "application/x-protobuf", body, 1, 0.3]
+        token = OTLP_TOKEN if load == "token holder" else "-"
     elif load == "refused POSTs":
         body = workdir / "pause.json"
         body.write_text('{"seconds": 86400, "reason": "not yours"}')
@@ -180,7 +187,7 @@ def start_flood(load: str, watchdog: Any, workdir: Path) -> subprocess.Popen[byt
         report = f"/v1/incidents/{earlier.incident_id}/report"
         args = ["GET", api, report, "text/html", "-", 16, 0]
     return subprocess.Popen(
-        [sys.executable, "-c", FLOOD, *map(str, args)],
+        [sys.executable, "-c", FLOOD, *map(str, args), token],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -213,7 +220,13 @@ async def refused_actions(url: str) -> int:
 
 async def stall_under(load: str, workdir: Path, flood_seconds: float) -> Figures:
     """The figures of one load, flooding `flood_seconds` before the fault."""
-    async with attached(workdir, [], "0.30", "enforce") as (watchdog, server):
+    token = load == "token holder"
+    overrides = {"otlp_token": OTLP_TOKEN} if token else None
+    sim_env = {"OMNI_WATCHDOG_OTLP_TOKEN": OTLP_TOKEN} if token else None
+    async with attached(workdir, [], "0.30", "enforce", overrides, None, sim_env) as (
+        watchdog,
+        server,
+    ):
         await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 60)
         floods = start_floods(load, watchdog, workdir)
         held = []
@@ -346,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 "A simulated vLLM-Omni 0.30 server and an enforce-mode watchdog at its "
                 "defaults; after warm-up a flood from a process of its own, then stage 0 "
                 "stalls silently under it (impersonation: heartbeats and stage spans in the "
-                "stalled process's own name every 0.3 s, no token; refused POSTs: "
+                "stalled process's own name every 0.3 s, no token; token holder: the same "
+                "with the OTLP token, so the receiver takes them; refused POSTs: "
                 "`POST /v1/pause` without the token, 4 connections flat out; readers: "
                 "status, incidents and /metrics, 8 connections flat out; reports: the HTML "
                 "report of the unloaded run's incident, its journal and bundle carried over, "

@@ -405,8 +405,10 @@ class Detector:
         token can make up, shows no work). 0 while it owes none that reached it after the
         latest canary passed (one before that, its span lost, was not in the canary's
         way), and for a stage that does not denoise."""
+        if not self._denoises(ref, memory):
+            return 0.0
         oldest = self._pending.oldest_since(ref.stage_id, self._canary_passed_at)
-        if oldest is None or not self._denoises(ref, memory):
+        if oldest is None:
             return 0.0
         steps = (
             request.since
@@ -1243,7 +1245,10 @@ class Detector:
         per step, and only fresh ones: a counter that moves when a request completes
         stays flat through a long one, and an old scrape says nothing. A stage process
         seen runnable is working or waiting for a CPU: a stage starved by its neighbours
-        is not a stuck one (its heartbeats stop too), so the flat time counts from then."""
+        is not a stuck one (its heartbeats stop too), so the flat time counts from then.
+        Only a request that reached it after the latest canary passed: one from before,
+        its span lost, was not in the canary's way, and an idle stage is not read for it
+        for good."""
         if not memory.counts_steps or memory.progress_seen_at is None:
             return None
         if self._denoises(ref, memory):
@@ -1254,7 +1259,7 @@ class Detector:
             return None
         if sum(1 for other in self._stages if other.stage_id == ref.stage_id) != 1:
             return None
-        oldest = self._pending.oldest(ref.stage_id)
+        oldest = self._pending.oldest_since(ref.stage_id, self._canary_passed_at)
         if oldest is None:
             return None
         runnable = max(

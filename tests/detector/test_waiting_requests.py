@@ -81,6 +81,8 @@ class Talker:
     other_successes: bool = False
     # The canary, sent every 2 s once the request reached it, times out from this moment.
     canary_fails_from: float | None = None
+    # A canary passes at this moment (seconds since the request reached the talker).
+    canary_passes_at: float | None = None
     history: list[DetectorReport] = field(default_factory=list)
 
     def steps(self, since_arrival: float) -> int:
@@ -129,6 +131,10 @@ def drive(talker: Talker, seconds: float, topology: Topology = PIPELINE) -> list
                 Observation(
                     ObservationKind.CANARY, now, value=2.0, outcome=canary or HealthOutcome.OK
                 )
+            )
+        if talker.canary_passes_at is not None and since == talker.canary_passes_at:
+            out.append(
+                Observation(ObservationKind.CANARY, now, value=0.2, outcome=HealthOutcome.OK)
             )
         status = ProcessStatus.SLEEPING
         if talker.frozen and since >= 0:
@@ -314,3 +320,14 @@ def test_only_counters_on_the_servers_metrics_hold_the_canary_back() -> None:
     ]
     detector.observe(counters)
     assert detector.last_progress() == 4.0
+
+
+def test_a_request_that_reached_a_stage_before_a_canary_passed_is_not_waited_on() -> None:
+    """Its span was lost; the stage went idle, its counters flat for good. A canary that
+    passed since went through the stage: the request was not in its way. It makes no early
+    overdue, and the idle stage is not read for it for good."""
+    talker = Talker(steps_at=(0.5, 1.0), canary_passes_at=2.0)
+    reports = drive(talker, AT_TALKER + CONFIG.overdue_floor - STEP)
+    assert not overdue_before(reports, AT_TALKER + CONFIG.overdue_floor)
+    unwatched = Talker(steps_at=(0.5, 1.0))
+    assert overdue_before(drive(unwatched, AT_TALKER + CONFIG.overdue_floor - STEP), 1e9)
