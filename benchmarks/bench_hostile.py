@@ -42,7 +42,6 @@ from watchdog_process import (
     wait_attached,
 )
 
-from omni_watchdog.demo import free_port
 from omni_watchdog.process_start import boot_id
 from omni_watchdog.semconv import (
     HEARTBEAT_SPAN,
@@ -53,6 +52,7 @@ from omni_watchdog.semconv import (
     STAGE_REPLICA,
     STAGE_REQUEST_SPAN,
 )
+from omni_watchdog.sim.launcher import free_port
 
 SECTION = "Hostile input"
 TARGET_RSS_MB = 200.0

@@ -46,13 +46,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from results import record
 
 from omni_watchdog.config import ProbesConfig
-from omni_watchdog.demo import (
-    arm_faults,
-    attached,
-    send_request,
-    summary,
-    wait_for,
-)
+from omni_watchdog.demo import arm_faults, attached, send_request, summary, wait_for
 from omni_watchdog.log import configure_logging
 from omni_watchdog.operator import UNAUTHENTICATED_OUTCOMES
 from omni_watchdog.process_start import sender_attributes

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record
 from watchdog_process import start_watchdog, wait_attached
 
-from omni_watchdog.demo import SimProcess, free_port
+from omni_watchdog.sim.launcher import SimProcess, free_port
 
 SECTION = "Idle"
 GENERATIONS = ("0.11", "0.30")

@@ -33,8 +33,9 @@ from results import record
 
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import SpansConfig
+from omni_watchdog.probes.otlp_decode import PROTOBUF
 from omni_watchdog.probes.span_store import SpanStore
-from omni_watchdog.probes.spans import PROTOBUF, SpanReceiver
+from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.semconv import (
     GEN_AI_LATENCY_E2E,
     GEN_AI_LATENCY_TIME_IN_QUEUE,

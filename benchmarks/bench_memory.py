@@ -36,7 +36,6 @@ from watchdog_process import (
     wait_attached,
 )
 
-from omni_watchdog.demo import free_port
 from omni_watchdog.semconv import (
     PROCESS_KIND,
     REQUEST_ADMITTED_SPAN,
@@ -44,6 +43,7 @@ from omni_watchdog.semconv import (
     REQUEST_STAGE_PATH,
     SERVICE_NAME,
 )
+from omni_watchdog.sim.launcher import free_port
 
 SECTION = "Memory"
 REQUESTS = 100_000

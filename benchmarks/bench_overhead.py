@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record
 from watchdog_process import start_watchdog
 
-from omni_watchdog.demo import SimProcess, free_port
 from omni_watchdog.instrument.telemetry import ENDPOINT_ENV, STANDARD_ENDPOINT_ENV
+from omni_watchdog.sim.launcher import SimProcess, free_port
 
 SECTION = "Plugin overhead"
 TARGET_RATIO = 0.98

@@ -75,13 +75,13 @@ from real_vllm.server import VllmServer, make_tiny_model
 from results import record
 from watchdog_process import start_watchdog
 
-from omni_watchdog.demo import free_port
 from omni_watchdog.instrument.telemetry import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     ENDPOINT_ENV,
     HEARTBEAT_INTERVAL_ENV,
     TOKEN_ENV,
 )
+from omni_watchdog.sim.launcher import free_port
 
 OVERHEAD_SECTION = "Real vLLM-Omni diffusion: plugin overhead"
 SOAK_SECTION = "Real vLLM-Omni diffusion: never-wrong soak"

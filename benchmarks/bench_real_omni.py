@@ -90,8 +90,9 @@ from results import record, recorded_rows
 from watchdog_process import start_watchdog
 
 from omni_watchdog.config import WatchdogConfig
-from omni_watchdog.demo import closed_incident, free_port, wait_for
+from omni_watchdog.demo import closed_incident, wait_for
 from omni_watchdog.instrument.telemetry import DEFAULT_HEARTBEAT_INTERVAL_S, HEARTBEAT_INTERVAL_ENV
+from omni_watchdog.sim.launcher import free_port
 from omni_watchdog.types import (
     EvidenceKind,
     Incident,

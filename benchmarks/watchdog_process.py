@@ -13,9 +13,9 @@ from pathlib import Path
 import aiohttp
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from omni_watchdog.demo import example_config
 from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.semconv import PROCESS_PID
+from omni_watchdog.sim.launcher import example_config
 
 
 def start_plain_target(port: int) -> subprocess.Popen[bytes]:

@@ -245,9 +245,12 @@ class Watchdog:
                     self._offer_topology(obs.topology)
                 except Exception as error:  # one bad report must not cost the others
                     self._errors.record("ingest", error)
-        if probe is self.receiver:
-            for pid, (stage, kind) in self.store.pid_stages().items():
-                self.tracker.learn_stage(pid, stage, kind)
+            elif (
+                obs.kind is ObservationKind.PROCESS_STAGE
+                and obs.pid is not None
+                and obs.stage is not None
+            ):
+                self.tracker.learn_stage(obs.pid, obs.stage, obs.detail)
         self.target.observe(observations)
         exits = self.detector.stage_exits
         self.detector.observe(observations)

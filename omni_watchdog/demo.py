@@ -11,26 +11,20 @@ import asyncio
 import contextlib
 import json
 import os
-import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import psutil
 
 from omni_watchdog.config import WatchdogConfig, load_config, merge_layers
 from omni_watchdog.log import configure_logging
 from omni_watchdog.sim.faults import FaultError, check_generation, parse_fault
-from omni_watchdog.types import Incident, IncidentOutcome, StepOutcome
+from omni_watchdog.sim.launcher import SimProcess, example_config, free_port
+from omni_watchdog.types import Incident, IncidentOutcome, ProcessStatus, StepOutcome
 
 REPORT_REQUEST: dict[str, Any] = {
     "model": "yujiepan/qwen2.5-omni-tiny-random",
@@ -42,129 +36,6 @@ REPORT_REQUEST: dict[str, Any] = {
     "temperature": 0.7,
     "stream": False,
 }
-
-
-def example_config(generation: str) -> Path:
-    """The shipped stage config of a vLLM-Omni generation."""
-    name = "qwen2_5_omni_0.11.yaml" if generation == "0.11" else "qwen2_5_omni_0.30.yaml"
-    return Path(str(resources.files("omni_watchdog") / "examples" / name))
-
-
-# Where the ports the kernel hands out by itself start, when /proc does not say.
-EPHEMERAL_LOW = 32768
-
-
-def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range: a server started with it binds
-    it minutes later, and an ephemeral port can be taken meanwhile by any outgoing
-    connection on the machine (CI once lost the watchdog's OTLP port that way)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = EPHEMERAL_LOW
-    chance = random.Random()
-    for _ in range(64):
-        port = chance.randrange(10000, max(10001, low))
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@dataclass
-class SimProcess:
-    """A simulated server this process started, in its own session and process group."""
-
-    port: int
-    state_dir: Path
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def start(
-        cls,
-        workdir: Path,
-        faults: list[str],
-        generation: str = "0.11",
-        stage_config: Path | None = None,
-        env: Mapping[str, str] | None = None,
-        extra_args: list[str] | None = None,
-        port: int | None = None,
-    ) -> SimProcess:
-        port = port or free_port()
-        state_dir = workdir / "sim-state"
-        state_dir.mkdir(parents=True, exist_ok=True)
-        log_path = workdir / "sim.log"
-        child_env = {**os.environ, **(env or {}), "OMNI_WATCHDOG_SIM_STATE": str(state_dir)}
-        argv = [
-            sys.executable,
-            "-m",
-            "omni_watchdog.sim",
-            "--stage-config",
-            str(stage_config or example_config(generation)),
-            "--model-generation",
-            generation,
-            "--port",
-            str(port),
-            "--state-dir",
-            str(state_dir),
-            *[arg for fault in faults for arg in ("--fault", fault)],
-            *(extra_args or []),
-        ]
-        with log_path.open("ab") as log:
-            process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
-            )
-        return cls(port, state_dir, process, log_path, child_env)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def events(self) -> list[dict[str, Any]]:
-        path = self.state_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        events = []
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                events.append(json.loads(line))
-        return events
-
-    def fault_time(self) -> float | None:
-        fired = [e["time"] for e in self.events() if e.get("event") == "fault_triggered"]
-        return min(fired) if fired else None
-
-    def leftover_pids(self) -> list[int]:
-        """Live processes of this server, escaped ones included: they carry its state dir."""
-        found = []
-        for process in psutil.process_iter(["pid", "environ", "status"]):
-            with contextlib.suppress(psutil.Error):
-                environ = process.info["environ"] or {}
-                if (
-                    environ.get("OMNI_WATCHDOG_SIM_STATE") == str(self.state_dir)
-                    and process.info["status"] != psutil.STATUS_ZOMBIE
-                    and process.pid != os.getpid()
-                ):
-                    found.append(process.pid)
-        return found
-
-    def stop(self) -> None:
-        """End whatever is left of the server this process started, escaped children too."""
-        # The server runs in a session of its own, so its group holds only its processes.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        for pid in self.leftover_pids():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=5)
 
 
 async def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
@@ -330,10 +201,12 @@ async def run_scenario(
             f" (faults: {', '.join(faults)})"
         )
         await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 60)
-        root = watchdog.tracker.root
+        state = watchdog.state
+        root = state.target.root
+        live = [p for p in state.processes if p.status is not ProcessStatus.EXITED]
         say(
             f"watchdog attached to pid {root.pid if root else '?'}:"
-            f" {len(watchdog.tracker.live())} processes, mode {mode}"
+            f" {len(live)} processes, mode {mode}"
         )
         await arm_faults(server.url, faults)
         say("sending the report's request (POST /v1/chat/completions)")
@@ -356,7 +229,9 @@ async def arm_faults(url: str, faults: list[str]) -> None:
 
 
 def closed_incident(watchdog: Any) -> Incident | None:
-    return next((i for i in watchdog.policy.incidents() if i.closed is not None), None)
+    """The first incident closed as of the watchdog's last evaluation."""
+    incidents = watchdog.state.remediation.incidents
+    return next((i for i in incidents if i.closed is not None), None)
 
 
 async def send_request(url: str) -> None:

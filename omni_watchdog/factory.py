@@ -50,8 +50,9 @@ from omni_watchdog.probes.metrics import MetricsProbe
 from omni_watchdog.probes.peers import SocketOwners
 from omni_watchdog.probes.processes import ProcessTracker, ThreadWaits
 from omni_watchdog.probes.server_config import ServerConfigReader
+from omni_watchdog.probes.span_forward import SpanForwarder
 from omni_watchdog.probes.span_store import SpanStore
-from omni_watchdog.probes.spans import SpanForwarder, SpanReceiver
+from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.self_health import InternalErrors, LoopSight, ProbeBoard
 from omni_watchdog.serving import Listener
 from omni_watchdog.state import StateAssembler
@@ -65,6 +66,7 @@ from omni_watchdog.topology import (
 )
 from omni_watchdog.types import (
     Clock,
+    CpuWaits,
     Exporter,
     Nvml,
     Probe,
@@ -82,12 +84,15 @@ async def build_watchdog(
     *,
     clock: Clock,
     process_table: ProcessTable = psutil,
+    cpu_waits: CpuWaits | None = None,
     nvml: Nvml[Any] | None = None,
     topology: Topology | None = None,
     start_time: Callable[[int], float] = process_start.start_time,
     read_server_config: Callable[[int], Topology | None] | None = None,
 ) -> Watchdog:
-    """A watchdog ready to `start()`. Without `nvml`, the config's GPU backend is loaded
+    """A watchdog ready to `start()`. Without `cpu_waits`, how long this kernel's
+    processes waited for a CPU is read (`ThreadWaits`: give one that goes with a
+    `process_table` other than psutil). Without `nvml`, the config's GPU backend is loaded
     (none for `gpu_backend: none`); without `topology`, the config's stage config is read,
     or the server's own stages are learned as it runs."""
     session = aiohttp.ClientSession()
@@ -97,6 +102,7 @@ async def build_watchdog(
             session,
             clock=clock,
             process_table=process_table,
+            cpu_waits=cpu_waits if cpu_waits is not None else ThreadWaits(clock=clock.monotonic),
             nvml=nvml if nvml is not None else load_nvml(config.probes.gpu_backend),
             topology=with_remote_stages(
                 topology
@@ -121,6 +127,7 @@ def _assemble(
     *,
     clock: Clock,
     process_table: ProcessTable,
+    cpu_waits: CpuWaits,
     nvml: Nvml[Any] | None,
     topology: Topology,
     start_time: Callable[[int], float],
@@ -156,9 +163,7 @@ def _assemble(
         server_topology=read_server_config,
         # A pidfd names a process of this kernel; the pids of a fake table are not its.
         exit_notices=ExitNotices(start_time) if process_table is psutil else None,
-        cpu_wait=ThreadWaits(clock=clock.monotonic)
-        if process_table is psutil
-        else lambda pid, runnable: 0.0,
+        cpu_wait=cpu_waits,
     )
     # Without the process probe nothing records the senders' processes: spans are then
     # judged only against the topology.

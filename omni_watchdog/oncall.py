@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import re
 import shutil
@@ -41,6 +40,7 @@ from omni_watchdog.http_body import read_at_most
 # The watchdog's own bound on one pause, checked here too so that a typo such as
 # `--for 30h` is a usage error before anything is sent.
 from omni_watchdog.policy.maintenance import MAX_PAUSE_SECONDS
+from omni_watchdog.tolerant_json import items, mapping, number
 from omni_watchdog.types import PIPELINE, StageRef, StepName
 
 DEFAULT_URL = "http://127.0.0.1:9464"
@@ -423,12 +423,12 @@ def _status_view(status: Any, as_json: bool, console: Console) -> list[str]:
         return [json.dumps(status, indent=2, sort_keys=True)]
     if not isinstance(status, dict):
         raise _Failed("/v1/status did not answer a JSON object")
-    now = _number(status.get("now"))
+    now = number(status.get("now"))
     return _status_lines(status, console, console.wall() if now is None else now)
 
 
 def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> list[str]:
-    target = _mapping(status.get("target"))
+    target = mapping(status.get("target"))
     pid = target.get("pid")
     up = "up" if target.get("alive") else "down"
     incident = status.get("incident")
@@ -442,7 +442,7 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
     ]
     pause = status.get("pause")
     if isinstance(pause, dict):
-        until = _number(pause.get("until"))
+        until = number(pause.get("until"))
         left = None if until is None else until - now
         lines.append(
             _field(
@@ -453,7 +453,7 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
     link = status.get("link")
     if isinstance(link, dict):
         state = "up" if link.get("up") else "DOWN"
-        since = _number(link.get("since"))
+        since = number(link.get("since"))
         lines.append(
             _field(
                 "master",
@@ -466,8 +466,8 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
     if isinstance(pipeline, dict):
         # The target fails and no stage's own readings answer for it: said once, here,
         # rather than as every stage's state.
-        since = _number(pipeline.get("since"))
-        evidence = [_mapping(e) for e in _items(pipeline.get("evidence"))]
+        since = number(pipeline.get("since"))
+        evidence = [mapping(e) for e in items(pipeline.get("evidence"))]
         lines.append(
             _field(
                 "target",
@@ -476,20 +476,20 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
             )
         )
     lines.append("")
-    stages = [_mapping(stage) for stage in _items(status.get("stages"))]
+    stages = [mapping(stage) for stage in items(status.get("stages"))]
     if not stages:
         lines.append("no stage judged yet")
         return lines
     rows: list[list[_Cell | str]] = []
     for stage in stages:
         state = _text(stage.get("state"))
-        since = _number(stage.get("since"))
-        evidence = [_mapping(e) for e in _items(stage.get("evidence"))]
-        pids = [_text(p) for p in _items(stage.get("pids"))]
+        since = number(stage.get("since"))
+        evidence = [mapping(e) for e in items(stage.get("evidence"))]
+        pids = [_text(p) for p in items(stage.get("pids"))]
         shown_pids = ",".join(pids[:PIDS_SHOWN]) + (
             f" +{len(pids) - PIDS_SHOWN}" if len(pids) > PIDS_SHOWN else ""
         )
-        gpu = _number(stage.get("gpu_memory_bytes"))
+        gpu = number(stage.get("gpu_memory_bytes"))
         rows.append(
             [
                 _text(stage.get("stage_id")),
@@ -500,7 +500,7 @@ def _status_lines(status: Mapping[str, Any], console: Console, now: float) -> li
                 _why(stage.get("cause"), evidence),
                 shown_pids or "-",
                 "-" if gpu is None else f"{gpu / _MIB:.0f}",
-                _heartbeat_age(_number(stage.get("heartbeat_age_seconds"))),
+                _heartbeat_age(number(stage.get("heartbeat_age_seconds"))),
             ]
         )
     columns: tuple[_Column, ...] = (
@@ -532,18 +532,18 @@ def _stage_notes(stages: list[Mapping[str, Any]]) -> list[str]:
     for stage in stages:
         name = f"stage {_text(stage.get('stage_id'))}.{_text(stage.get('replica'))}"
         name += f" ({_text(stage.get('name'))})"
-        pace = _number(stage.get("seconds_per_step"))
-        for request in _items(stage.get("denoising")):
-            request = _mapping(request)
-            steps = _number(request.get("steps"))
-            in_step = _number(request.get("step_seconds"))
+        pace = number(stage.get("seconds_per_step"))
+        for request in items(stage.get("denoising")):
+            request = mapping(request)
+            steps = number(request.get("steps"))
+            in_step = number(request.get("step_seconds"))
             notes.append(
                 f"{name} denoising {_text(request.get('request_id'))}:"
                 f" step {_text(request.get('step'))}/{'?' if steps is None else f'{steps:.0f}'},"
                 f" {'?' if pace is None else f'{pace:.2f}'}s a step,"
                 f" {_age(in_step)} into this one"
             )
-        errors = _number(stage.get("request_errors"))
+        errors = number(stage.get("request_errors"))
         if errors:
             notes.append(f"{name} failed {errors:.0f} request(s) (request errors, not acted on)")
     return ["", *notes] if notes else []
@@ -553,7 +553,7 @@ def _why(cause: Any, evidence: list[Mapping[str, Any]]) -> str:
     """What a stage's row says of it: what it is doing while silent, else its first
     evidence."""
     if isinstance(cause, dict):
-        seconds = _number(cause.get("seconds"))
+        seconds = number(cause.get("seconds"))
         return f"{_text(cause.get('cause'))} {_age(seconds)}: {_text(cause.get('detail'))}"
     return _text(evidence[0].get("detail")) if evidence else "-"
 
@@ -569,7 +569,7 @@ async def _incidents(client: WatchdogClient, args: argparse.Namespace, console: 
         if args.json:
             console.say(json.dumps(listing, indent=2, sort_keys=True))
             return EXIT_OK
-        incidents = [_mapping(i) for i in _items(_mapping(listing).get("incidents"))]
+        incidents = [mapping(i) for i in items(mapping(listing).get("incidents"))]
         if not incidents:
             console.say("no incidents")
             return EXIT_OK
@@ -582,12 +582,12 @@ async def _incidents(client: WatchdogClient, args: argparse.Namespace, console: 
         console.say(json.dumps(incident, indent=2, sort_keys=True))
         return EXIT_OK
     try:
-        stacks = _mapping(await client.get_json(path + "/stacks")).get("stacks")
+        stacks = mapping(await client.get_json(path + "/stacks")).get("stacks")
         stacks, stacks_error = (stacks if isinstance(stacks, list) else []), ""
     except (_Failed, _Unreachable) as error:
         # The incident itself came back; its stacks are a part of it worth losing alone.
         stacks, stacks_error = [], str(error)
-    for line in _incident_lines(_mapping(incident), stacks, stacks_error):
+    for line in _incident_lines(mapping(incident), stacks, stacks_error):
         console.say(line)
     return EXIT_OK
 
@@ -597,9 +597,9 @@ def _incident_table(incidents: Sequence[Mapping[str, Any]], console: Console) ->
     for incident in incidents:
         steps = " ".join(
             f"{_text(s.get('step'))}:{_text(s.get('outcome'))}"
-            for s in (_mapping(s) for s in _items(incident.get("steps")))
+            for s in (mapping(s) for s in items(incident.get("steps")))
         )
-        opened = _number(incident.get("opened"))
+        opened = number(incident.get("opened"))
         rows.append(
             [
                 _text(incident.get("incident_id")),
@@ -624,8 +624,8 @@ def _incident_table(incidents: Sequence[Mapping[str, Any]], console: Console) ->
 def _incident_lines(
     incident: Mapping[str, Any], stacks: Sequence[Any], stacks_error: str
 ) -> list[str]:
-    opened = _number(incident.get("opened"))
-    closed = _number(incident.get("closed"))
+    opened = number(incident.get("opened"))
+    closed = number(incident.get("closed"))
 
     def offset(wall: float | None) -> str:
         return "" if wall is None or opened is None else f"{wall - opened:+.2f}s"
@@ -649,8 +649,8 @@ def _incident_lines(
     ]
     timeline = sorted(
         (wall, _clean(str(name)))
-        for name, value in _mapping(incident.get("timeline")).items()
-        if (wall := _number(value)) is not None
+        for name, value in mapping(incident.get("timeline")).items()
+        if (wall := number(value)) is not None
     )
     if timeline:
         lines += ["", "timeline (seconds from opened):"]
@@ -658,20 +658,18 @@ def _incident_lines(
         width = max(len(mark) for mark, _ in marks)
         lines += [f"  {mark:>{width}}  {name}" for mark, name in marks]
 
-    verdicts = [_mapping(v) for v in _items(incident.get("verdicts"))]
+    verdicts = [mapping(v) for v in items(incident.get("verdicts"))]
     if verdicts:
         lines += ["", "verdicts:"]
-        # Verdict times are the watchdog's monotonic seconds; the timeline's `verdict` is
-        # the wall time of the earliest one, which places the others by their distance to it.
-        anchor = _number(_mapping(incident.get("timeline")).get("verdict"))
-        times = [t for v in verdicts if (t := _number(v.get("time"))) is not None]
-        first = min(times, default=None)
+        # Verdict times are the watchdog's monotonic seconds, and the incident read that
+        # clock as it opened; an older watchdog's incident did not, and shows none.
+        opened_monotonic = number(incident.get("opened_monotonic"))
         for verdict in verdicts:
-            stage = _mapping(verdict.get("stage"))
+            stage = mapping(verdict.get("stage"))
             when = ""
-            verdict_time = _number(verdict.get("time"))
-            if anchor is not None and first is not None and verdict_time is not None:
-                when = f"  at {offset(anchor + verdict_time - first)}"
+            verdict_time = number(verdict.get("time"))
+            if opened_monotonic is not None and verdict_time is not None:
+                when = f"  at {verdict_time - opened_monotonic:+.2f}s"
             stage_id = stage.get("stage_id")
             if isinstance(stage_id, int) and StageRef(stage_id).whole_pipeline:
                 subject = f"target ({PIPELINE}, stage unknown)"
@@ -681,18 +679,18 @@ def _incident_lines(
             cause = verdict.get("cause")
             if isinstance(cause, dict):
                 lines.append(f"      cause {_cause_text(cause)}")
-            for evidence in (_mapping(e) for e in _items(verdict.get("evidence"))):
+            for evidence in (mapping(e) for e in items(verdict.get("evidence"))):
                 kind, detail = _text(evidence.get("kind")), _text(evidence.get("detail"))
                 lines.append(f"      {kind}: {detail}")
 
-    steps = [_mapping(s) for s in _items(incident.get("steps"))]
+    steps = [mapping(s) for s in items(incident.get("steps"))]
     if steps:
         lines += ["", "steps:"]
-        starts = [offset(_number(s.get("started"))) for s in steps]
+        starts = [offset(number(s.get("started"))) for s in steps]
         start_width = max(len(start) for start in starts)
         name_width = max(len(_text(s.get("step"))) for s in steps)
         for step, start in zip(steps, starts, strict=True):
-            duration = _number(step.get("duration"))
+            duration = number(step.get("duration"))
             took = "" if duration is None else f" in {duration:.2f}s"
             detail = _text(step.get("detail"), empty="")
             lines.append(
@@ -705,7 +703,7 @@ def _incident_lines(
         lines.append(f"  not available: {stacks_error}")
     elif not stacks:
         lines.append("  none captured")
-    for stack in (_mapping(s) for s in stacks):
+    for stack in (mapping(s) for s in stacks):
         where = _text(stack.get("role"))
         if stack.get("stage") is not None:
             where += f", stage {_text(stack.get('stage'))}"
@@ -765,8 +763,8 @@ async def _remediate(client: WatchdogClient, args: argparse.Namespace, console: 
     if not args.yes:
         if not (console.stdin_is_terminal and console.stdout_is_terminal):
             raise _Usage("not on a terminal, nobody to ask: pass --yes to run the ladder")
-        status = _mapping(await client.get_json("/v1/status"))
-        url = _text(_mapping(status.get("target")).get("url"))
+        status = mapping(await client.get_json("/v1/status"))
+        url = _text(mapping(status.get("target")).get("url"))
         question = f"Run the ladder now on {url} (mode {_text(status.get('mode'))})? [y/N] "
         try:
             answer = console.ask(question)
@@ -775,11 +773,11 @@ async def _remediate(client: WatchdogClient, args: argparse.Namespace, console: 
             console.say()
         if answer.strip().lower() not in _CONFIRMED:
             raise _Failed("not confirmed; nothing was done")
-    started = _mapping(
+    started = mapping(
         await client.post_json("/v1/remediate", {"incident": args.incident, "from": args.from_step})
     )
     incident_id = _text(started.get("incident_id"))
-    steps = " ".join(_text(step) for step in _items(started.get("steps")))
+    steps = " ".join(_text(step) for step in items(started.get("steps")))
     console.say(f"ladder started: incident {incident_id} (mode {_text(started.get('mode'))})")
     console.say(f"planned steps: {steps or 'none'}")
     console.say(f"follow it with: omni-watchdog incidents {incident_id}")
@@ -804,9 +802,9 @@ async def _pause(client: WatchdogClient, args: argparse.Namespace, console: Cons
     reason = args.reason.strip()
     if not reason:
         raise _Usage("--reason: say why, for whoever finds the watchdog paused")
-    answer = _mapping(await client.post_json("/v1/pause", {"seconds": seconds, "reason": reason}))
-    pause = _mapping(answer.get("pause"))
-    until, since = _number(pause.get("until")), _number(pause.get("since"))
+    answer = mapping(await client.post_json("/v1/pause", {"seconds": seconds, "reason": reason}))
+    pause = mapping(answer.get("pause"))
+    until, since = number(pause.get("until")), number(pause.get("since"))
     length = seconds if until is None or since is None else until - since
     console.say(f"paused until {_utc(until)} (for {_age(length)}): {_text(pause.get('reason'))}")
     console.say("detection and alerts go on; remediation waits for the end or `resume`")
@@ -915,25 +913,6 @@ def _text(value: Any, empty: str = "-") -> str:
     if value is None or value == "":
         return empty
     return _clean(value if isinstance(value, str) else json.dumps(value))
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:  # an integer beyond any float
-        return None
-    return number if math.isfinite(number) else None
-
-
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _items(value: Any) -> list[Any]:
-    """A list the answer holds, or none: a string, a number or a mapping is not one."""
-    return value if isinstance(value, list) else []
 
 
 def _utc(wall: float | None, zone: bool = True) -> str:

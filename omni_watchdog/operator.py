@@ -23,7 +23,6 @@ from omni_watchdog.bearer import bearer_matches
 from omni_watchdog.log import log_event
 from omni_watchdog.policy.core import ActionRefused, Policy
 from omni_watchdog.policy.incidents import IncidentJournal
-from omni_watchdog.policy.ladder import TargetSnapshot
 from omni_watchdog.policy.maintenance import MaintenanceWindow
 from omni_watchdog.types import (
     ACTION_OUTCOMES,
@@ -32,6 +31,7 @@ from omni_watchdog.types import (
     MaintenancePause,
     OperatorAction,
     StepName,
+    TargetSnapshot,
 )
 
 logger = logging.getLogger("omni_watchdog.operator")

@@ -6,19 +6,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from omni_watchdog.policy.actuators import is_alive
-from omni_watchdog.policy.incidents import JournalEntry
-from omni_watchdog.policy.ladder import TargetSnapshot, gpu_baseline, gpu_held
+from omni_watchdog.policy.ladder import gpu_baseline, gpu_held
 from omni_watchdog.probes.gpu import GpuProbe
 from omni_watchdog.probes.processes import ProcessTracker, keeps_serving_after_a_stage_death
 from omni_watchdog.types import (
     GpuReading,
     HealthOutcome,
+    JournalEntry,
     Observation,
     ObservationKind,
     ProcessIdentity,
     ProcessInfo,
     ProcessRole,
     ProcessTable,
+    TargetSnapshot,
 )
 
 _ANSWERED = (HealthOutcome.OK, HealthOutcome.UNHEALTHY)

@@ -338,6 +338,7 @@ class ObservationKind(str, enum.Enum):
     ACTIVITY = "activity"
     DENOISE_STEP = "denoise_step"
     DENOISE_DONE = "denoise_done"
+    PROCESS_STAGE = "process_stage"
 
 
 # PROGRESS `detail` of a stage whose counters move at every engine step (tokens, iterations).
@@ -374,6 +375,9 @@ class Observation:
     - DENOISE_DONE: `stage`, `request_id` = a request whose denoising the stage ended
       (its pipeline call returned or raised), `value` = seconds its steps took on average
       (0 when unknown).
+    - PROCESS_STAGE: `pid`, `stage` = the stage a span resource says that process serves,
+      `detail` = the process kind it names ("" when none); sent when it is news, for the
+      process tracker to map the process by.
     """
 
     kind: ObservationKind
@@ -541,7 +545,13 @@ class StepResult:
 
 @dataclass(frozen=True)
 class Incident:
-    """One episode from verdict (or crash) to the end of the ladder."""
+    """One episode from verdict (or crash) to the end of the ladder.
+
+    `opened`, `closed`, the steps' `started` and the timeline are wall-clock times; the
+    verdicts' and their evidence's times are on the monotonic clock, which
+    `opened_monotonic` read at `opened`: a monotonic time `t` was the wall-clock time
+    `opened - (opened_monotonic - t)`.
+    """
 
     incident_id: str
     target: str
@@ -557,6 +567,9 @@ class Incident:
     # The server went away by itself: before the watchdog saw it go (the incident opened
     # on its exit), or before the ladder's shutdown step reached it.
     crashed: bool = False
+    # The monotonic clock, read with `opened` as the incident was made; None in incidents
+    # journaled before it was recorded, whose verdict times have no wall time.
+    opened_monotonic: float | None = None
 
 
 @dataclass(frozen=True)
@@ -694,6 +707,40 @@ class OperatorAction:
     detail: str
     # The pause a `pause` action opened, so a restarted watchdog keeps it.
     pause: MaintenancePause | None = None
+
+
+@dataclass(frozen=True)
+class TargetSnapshot:
+    """What an incident acts on, fixed when it opens."""
+
+    target: str
+    root: ProcessIdentity | None
+    processes: tuple[ProcessInfo, ...]
+    gpu_baseline: Mapping[int, float] | None
+    server_reports_failure: bool = False
+    gpu_held_at_open: float = 0.0
+    # False for a server known to stay up after a stage death (vLLM-Omni 0.30): waiting for
+    # it to exit by itself would only hold the ladder back.
+    may_exit_by_itself: bool = True
+
+    @property
+    def identities(self) -> tuple[ProcessIdentity, ...]:
+        return tuple(p.identity for p in self.processes)
+
+    def pgids(self) -> tuple[int, ...]:
+        return tuple(sorted({p.pgid for p in self.processes}))
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """An incident as the journal knows it, with the processes it was about."""
+
+    incident: Incident
+    root: ProcessIdentity | None
+    processes: tuple[ProcessIdentity, ...]
+    pgids: tuple[int, ...]
+    # What each device should read once the processes' memory is freed, when NVML was read.
+    gpu_baseline: Mapping[int, float] | None
 
 
 @dataclass(frozen=True)
@@ -985,6 +1032,17 @@ class ProcessTable(Protocol):
     def process_iter(self, attrs: list[str]) -> Iterable[ProcessHandle]: ...
 
     def net_connections(self, kind: str) -> Sequence[HeldSocket]: ...
+
+
+class CpuWaits(Protocol):
+    """How long a process's threads have waited, runnable, for a CPU: a counter per pid,
+    in seconds, that only grows (`processes.ThreadWaits` reads this kernel's), read once
+    a scan for each process of the process table it goes with."""
+
+    def __call__(self, pid: int, runnable: bool, /) -> float:
+        """The counter for `pid`; 0 when nothing says. `runnable`: its main thread is in
+        state R now (running or waiting for a CPU)."""
+        ...
 
 
 class NvmlMemory(Protocol):

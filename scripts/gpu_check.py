@@ -76,7 +76,8 @@ async def check() -> int:
     from omni_watchdog.app import Watchdog
     from omni_watchdog.clock import SystemClock
     from omni_watchdog.config import load_config
-    from omni_watchdog.demo import closed_incident, free_port, timeline, wait_for
+    from omni_watchdog.demo import closed_incident, timeline, wait_for
+    from omni_watchdog.sim.launcher import free_port
 
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="omni-watchdog-gpu-check-"))

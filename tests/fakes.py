@@ -1,7 +1,8 @@
 """Fakes of the world the watchdog touches, so tests signal, scan and read nothing real.
 
-`FakePsutil` stands in for the process table (`types.ProcessTable`), `FakeNvml` for NVML
-(`types.Nvml`), `FakeSenders` for whom spans may speak for (`types.SpanSenders`).
+`FakePsutil` stands in for the process table (`types.ProcessTable`), `no_cpu_waits` for
+its processes' CPU waits (`types.CpuWaits`), `FakeNvml` for NVML (`types.Nvml`),
+`FakeSenders` for whom spans may speak for (`types.SpanSenders`).
 """
 
 from __future__ import annotations
@@ -206,6 +207,12 @@ class FakePsutil:
     def _deliver(self, process: FakeProcess, sig: int) -> None:
         if sig == signal.SIGKILL or sig not in process.ignores:
             del self.table[process.pid]
+
+
+def no_cpu_waits(pid: int, runnable: bool) -> float:
+    """The CPU waits of a `FakePsutil` table's processes: none. Its pids are not this
+    kernel's, so reading theirs would read some other process's."""
+    return 0.0
 
 
 def info(

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from fakes import FakeDevice, FakeNvml, FakePsutil, info, local_config
+from deadline import wait_for
+from fakes import FakeDevice, FakeNvml, FakePsutil, info, local_config, no_cpu_waits
 
 from omni_watchdog.app import ASKING_EVERY
 from omni_watchdog.clock import SystemClock
-from omni_watchdog.demo import wait_for
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.probes.health import HealthProbe
 from omni_watchdog.types import (
@@ -59,6 +59,7 @@ def test_an_exit_asks_health_at_once_and_often_until_it_would_confirm_alone(
             config,
             clock=SystemClock(),
             process_table=FakePsutil(),
+            cpu_waits=no_cpu_waits,
             nvml=FakeNvml([FakeDevice(used=0, total=2**34, utilization=0)]),
         )
         engine = info(200, 100, ProcessRole.ENGINE, stage=0)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
-from fakes import FakeDevice, FakeNvml, FakePsutil
+from fakes import FakeDevice, FakeNvml, FakePsutil, no_cpu_waits
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_watchdog.clock import FakeClock
@@ -38,6 +38,7 @@ def test_a_built_watchdog_renders_and_serves_before_it_starts(tmp_path: Path) ->
             config,
             clock=FakeClock(1000.0, 1_700_000_000.0),
             process_table=FakePsutil(),
+            cpu_waits=no_cpu_waits,
             nvml=FakeNvml([FakeDevice(used=2**30, total=2**34, utilization=0)]),
         )
         try:

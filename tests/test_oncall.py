@@ -279,6 +279,8 @@ def closed_incident() -> dict[str, Any]:
             "closed": opened + 8.5,
         },
         "crashed": False,
+        # The monotonic clock as the incident opened: its first verdict came 0.01 s before.
+        "opened_monotonic": 5001.01,
         "files": ["incident.json", "stacks/4301.txt", "stacks/4000.txt", "gpu.json"],
     }
 
@@ -349,6 +351,7 @@ class FakeWatchdog:
     token: str = TOKEN
     status: dict[str, Any] = field(default_factory=status_answer)
     conflict: str = ""  # when set, /v1/remediate answers 409 with it
+    incident: dict[str, Any] = field(default_factory=closed_incident)  # CLOSED_ID's answer
     stacks: bool = True  # False: a watchdog without the /stacks route
     requests: list[Received] = field(default_factory=list)
 
@@ -394,7 +397,7 @@ class FakeWatchdog:
     async def _incident(self, request: web.Request) -> web.Response:
         if not self._known(request):
             return error(404, "no such incident")
-        return web.json_response(closed_incident())
+        return web.json_response(self.incident)
 
     async def _stacks(self, request: web.Request) -> web.Response:
         if not self.stacks:
@@ -862,6 +865,43 @@ def test_one_incident_with_its_timeline_verdicts_steps_and_stacks(
         f"/v1/incidents/{CLOSED_ID}",
         f"/v1/incidents/{CLOSED_ID}/stacks",
     ]
+
+
+@pytest.mark.parametrize(
+    "odd", [10**400, float("nan"), "yesterday", True, [1.0]], ids=lambda odd: repr(odd)[:24]
+)
+def test_an_odd_number_in_an_incident_costs_only_its_own_field(
+    watchdog: FakeWatchdog, odd: Any
+) -> None:
+    """The same tolerant reading as the HTML report's: an integer beyond any float, NaN or
+    a value of the wrong type in any time is shown as unknown, and the rest as it is."""
+    incident = closed_incident()
+    incident.update(opened=odd, closed=odd, opened_monotonic=odd)
+    incident["timeline"]["verdict"] = odd
+    incident["verdicts"][1]["time"] = odd
+    incident["steps"][1].update(started=odd, duration=odd)
+    watchdog.incident = incident
+    result = invoke(["incidents", CLOSED_ID], watchdog=watchdog)
+
+    assert result.code == EXIT_OK, result.err
+    assert "opened    -" in result.lines and "closed    still open" in result.lines
+    assert "  stage 1.0  dead" in result.lines and "  stage 2.0  stalled" in result.lines
+    # No opening, no offsets; the step whose duration is odd shows none.
+    shutdown = "    shutdown  timeout: no answer from http://127.0.0.1:8091/admin/shutdown in 1s"
+    assert shutdown in result.lines
+
+
+def test_an_incident_from_a_watchdog_that_did_not_read_its_monotonic_clock(
+    watchdog: FakeWatchdog,
+) -> None:
+    """Its verdicts have no time from the opening, rather than one guessed from the
+    timeline's; the timeline itself is wall-clock times and shown as ever."""
+    del watchdog.incident["opened_monotonic"]
+    result = invoke(["incidents", CLOSED_ID], watchdog=watchdog)
+
+    assert result.code == EXIT_OK, result.err
+    assert "  stage 1.0  dead" in result.lines and "  stage 2.0  stalled" in result.lines
+    assert "  -0.01s  verdict" in result.lines
 
 
 def test_an_incident_without_stacks_is_shown_all_the_same(watchdog: FakeWatchdog) -> None:

@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from deadline import wait_for
 from listening import listening
 
 from omni_watchdog.clock import FakeClock
-from omni_watchdog.demo import wait_for
 from omni_watchdog.serving import Listener, RateLimitedLog
 
 DEADLINE = 5.0

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from fakes import FakeDevice, FakeNvml, FakePsutil, local_config
+from fakes import FakeDevice, FakeNvml, FakePsutil, local_config, no_cpu_waits
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.factory import build_watchdog
@@ -93,6 +93,7 @@ def test_a_watchdog_whose_probe_loop_lost_its_cancellation_still_stops(tmp_path:
             config,
             clock=FakeClock(1000.0, 1_700_000_000.0),
             process_table=FakePsutil(),
+            cpu_waits=no_cpu_waits,
             nvml=FakeNvml([FakeDevice(used=0, total=2**34, utilization=0)]),
         )
         entered = asyncio.Event()

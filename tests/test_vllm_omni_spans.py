@@ -24,15 +24,11 @@ from otlp_bodies import batch, key_value
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
+from omni_watchdog.probes.otlp_decode import JSON, PROTOBUF, decode_body
+from omni_watchdog.probes.span_map import PLUGIN_PRESENCE_SECONDS
 from omni_watchdog.probes.span_store import SpanStore
-from omni_watchdog.probes.spans import (
-    JSON,
-    PLUGIN_PRESENCE_SECONDS,
-    PROTOBUF,
-    UNKNOWN_STAGE_GRACE_SECONDS,
-    SpanReceiver,
-    decode_body,
-)
+from omni_watchdog.probes.span_trust import UNKNOWN_STAGE_GRACE_SECONDS
+from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.semconv import (
     GEN_AI_REQUEST_ID,
     HEARTBEAT_SPAN,

@@ -3,20 +3,20 @@
 On a loaded host a healthy stage waits for a CPU, runnable, and its loop beats late: its
 lost heartbeats, late spans and failed canary are then the host's doing as much as its
 own. They count only once one of them has held for `confirm_timeout` of the time the
-stage could run (the detector's `_stood`, less `longest_wait`). This is read from what the
-process probe gives every round (each process's CPU time and its time runnable waiting for
-a CPU), so it holds without the activity probe too; the activity probe's own `starved`
+stage could run (`rules.stood`, less `longest_wait`). This is read from what the process
+probe gives every round (each process's CPU time and its time runnable waiting for a
+CPU), so it holds without the activity probe too; the activity probe's own `starved`
 finding (a thread that waited longer than it ran) says the same from a closer look.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
+from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector.causes import CauseFinding
-from omni_watchdog.types import ProcessInfo, ProcessStatus, SilenceCause
+from omni_watchdog.detector.memory import ProcessMemory, StageMemory, heartbeat_timeout
+from omni_watchdog.types import ProcessStatus, SilenceCause
 
 # A process that waited for a CPU at least this share of the time its latest readings cover
 # since its stage's loop last beat was starved by its neighbours: its silence says nothing
@@ -34,26 +34,37 @@ WAIT_WORTH_SAYING = 0.1
 # through 11 s of silence; workers in forwards used 19 % to 82 % through silences of 1 s
 # to 1.7 s.
 RUNNING_SHARE = 0.1
-# Readings of its CPU wait kept per process: enough to span that window at any interval.
-WAIT_READINGS = 32
+# A stage one of whose processes waited for a CPU through this share of its silence is
+# starved, whatever a closer reading of its other processes found them doing.
+STARVED_SILENCE_SHARE = 0.5
 
 
-@dataclass
-class ProcessMemory:
-    """What the detector keeps of one recorded process of a stage."""
+def contended(memory: StageMemory, now: float) -> bool:
+    """The CPU-contention rules may speak for the stage: no closer look has explained
+    its silence, or one of its processes waited for a CPU through most of it.
 
-    info: ProcessInfo
-    status_since: float
-    cpu_changed_at: float
-    exited_at: float | None = None
-    runnable_seen_at: float | None = None
-    seen_at: float = 0.0
-    # Its time spent waiting for a CPU, as last read before its stage's loop last beat,
-    # and when that was read; then its latest readings, (when, time waited).
-    wait_at_beat: float = 0.0
-    seen_at_beat: float = 0.0
-    cpu_at_beat: float = 0.0
-    waits: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WAIT_READINGS))
+    A stage whose processes were read asleep on a lock, stopped, spinning or waiting
+    on the device is silent on its own, whatever its side threads waited for a CPU
+    meanwhile: in a benchmark on two cores, a blocked forward's threads waited 0.7 s
+    for one through 13 s (beside the watchdog's own stack samples), and the contention
+    rules held its verdict back by 9 s. But an engine asleep on its worker's answer
+    while that worker waits for a CPU is the host's doing: in a soak of two pipelines
+    on two cores, a text stage's worker waited 6.3 s of its 9 s silence, its engine was
+    read asleep in poll, and a healthy server was shut down."""
+    cause = memory.cause
+    if cause is None or cause.cause in (SilenceCause.STARVED, SilenceCause.UNKNOWN):
+        return True
+    beat = memory.last_heartbeat
+    if beat is None or now <= beat:
+        return False
+    return longest_wait(memory.processes.values()) >= STARVED_SILENCE_SHARE * (now - beat)
+
+
+def stage_starved(config: DetectionConfig, memory: StageMemory) -> CauseFinding | None:
+    """The `starved` cause of a stage whose live process waited for a CPU in its latest
+    readings since its loop last beat (see `starved_finding`)."""
+    window = STARVED_WINDOW_SHARE * heartbeat_timeout(config, memory)
+    return starved_finding(memory.processes.values(), window)
 
 
 def starved_finding(processes: Iterable[ProcessMemory], window: float) -> CauseFinding | None:

@@ -16,9 +16,9 @@ from typing import Any
 from aiohttp import web
 
 from omni_watchdog.exporters.prometheus import MetricsExposition
-from omni_watchdog.exporters.report import render_incident_report
+from omni_watchdog.exporters.report.page import render_incident_report
 from omni_watchdog.exporters.views import incident_summary, status_of, target_health
-from omni_watchdog.policy.incidents import to_jsonable
+from omni_watchdog.jsonable import to_jsonable
 from omni_watchdog.types import Clock, Incident, IncidentBundles, OperatorAction, WatchdogState
 
 # /healthz fails when the last evaluation is older than this (20 evaluation intervals):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_watchdog.policy.incidents import to_jsonable
+from omni_watchdog.jsonable import to_jsonable
 from omni_watchdog.types import Incident, ProbeHealth, StageState, StageStatus, WatchdogState
 
 # Liveness is about progress: slow (degraded) still passes, as vLLM's own /health would.

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from omni_watchdog.policy.incidents import to_jsonable
+from omni_watchdog.jsonable import to_jsonable
 from omni_watchdog.types import ProcessActivity, ProcessReadings, StageRef, Verdict
 
 ACTIVITY_FILE = "activity.json"

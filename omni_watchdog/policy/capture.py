@@ -15,8 +15,15 @@ import aiohttp
 from omni_watchdog.http_body import read_at_most
 from omni_watchdog.policy.actuators import Actuators
 from omni_watchdog.policy.incidents import BundleWriter
-from omni_watchdog.policy.ladder import TargetSnapshot
-from omni_watchdog.types import Clock, Incident, ProcessInfo, StepName, StepOutcome, StepResult
+from omni_watchdog.types import (
+    Clock,
+    Incident,
+    ProcessInfo,
+    StepName,
+    StepOutcome,
+    StepResult,
+    TargetSnapshot,
+)
 
 # A copy of py-spy that carries CAP_SYS_PTRACE as a file capability (the container image
 # ships one), for reading processes of another user or under Yama's ptrace_scope 1.

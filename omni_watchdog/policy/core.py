@@ -28,10 +28,9 @@ from omni_watchdog.policy.incidents import (
     BundleWriter,
     HourlyBudget,
     IncidentJournal,
-    JournalEntry,
     TargetLock,
 )
-from omni_watchdog.policy.ladder import LadderRunner, TargetSnapshot
+from omni_watchdog.policy.ladder import LadderRunner
 from omni_watchdog.policy.maintenance import MaintenanceWindow
 from omni_watchdog.tasks import end_tasks
 from omni_watchdog.types import (
@@ -39,6 +38,7 @@ from omni_watchdog.types import (
     DetectorReport,
     Incident,
     IncidentOutcome,
+    JournalEntry,
     LockStatus,
     Mode,
     ProcessIdentity,
@@ -50,6 +50,7 @@ from omni_watchdog.types import (
     StepOutcome,
     StepResult,
     TargetExit,
+    TargetSnapshot,
     Verdict,
 )
 
@@ -255,7 +256,7 @@ class Policy:
         """The incident's climb, started; None when it would act on nothing and the hour's
         bound of such incidents is reached (each captures stacks into a bundle: a stage
         that flaps in observe mode would fill the disk)."""
-        wall = self._clock.wall()
+        wall, monotonic = self._clock.wall(), self._clock.monotonic()
         mode = self.mode
         notes = []
         if mode is Mode.ENFORCE and self._budget.remaining(wall) <= 0:
@@ -290,10 +291,12 @@ class Policy:
         incident_id = new_incident_id(wall)
         timeline = {"opened": wall}
         if verdicts:
-            timeline["verdict"] = self._wall_of(min(v.time for v in verdicts))
+            # On the wall clock as the incident records the clocks' relation: its report
+            # places every verdict and evidence time the same way.
+            timeline["verdict"] = wall - (monotonic - min(v.time for v in verdicts))
             evidence = [e.since for v in verdicts for e in v.evidence]
             if evidence:
-                timeline["first_evidence"] = self._wall_of(min(evidence))
+                timeline["first_evidence"] = wall - (monotonic - min(evidence))
         incident = Incident(
             incident_id=incident_id,
             target=target.target,
@@ -304,6 +307,7 @@ class Policy:
             bundle_dir=str(self._bundles.directory(incident_id)),
             timeline=timeline,
             crashed=crashed,
+            opened_monotonic=monotonic,
         )
         log_event(logger, "incident_opened", id=incident_id, mode=mode.value, cause=incident.cause)
         # Now, from the evaluation that gave the verdicts: the detector forgets the
@@ -355,7 +359,7 @@ class Policy:
             )
         if not self._lock.acquire(target.root):
             raise ActionRefused(409, f"no target lock ({self._lock.conflict})")
-        wall = self._clock.wall()
+        wall, monotonic = self._clock.wall(), self._clock.monotonic()
         new_id = new_incident_id(wall)
         if running is not None:
             await self._cut_short(running.incident_id, new_id)
@@ -383,6 +387,7 @@ class Policy:
             steps=skipped,
             bundle_dir=str(self._bundles.directory(new_id)),
             timeline={"opened": wall},
+            opened_monotonic=monotonic,
         )
         self._by_operator.add(incident.incident_id)
         self._handled_roots.add(target.root)
@@ -590,9 +595,6 @@ class Policy:
             incident, target.root, target.identities, target.pgids(), target.gpu_baseline
         )
         self._bundles.write_json(incident.incident_id, "incident.json", incident)
-
-    def _wall_of(self, monotonic_time: float) -> float:
-        return self._clock.wall() - (self._clock.monotonic() - monotonic_time)
 
 
 def _held(incident: Incident) -> bool:

@@ -9,8 +9,6 @@ never raised, so that it cannot hold the ladder back.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import errno
 import fcntl
 import hashlib
@@ -25,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from omni_watchdog.jsonable import to_jsonable
 from omni_watchdog.log import log_event
 from omni_watchdog.redact import redact_json, redact_text
 from omni_watchdog.types import (
@@ -32,6 +31,7 @@ from omni_watchdog.types import (
     EvidenceKind,
     Incident,
     IncidentOutcome,
+    JournalEntry,
     MaintenancePause,
     Mode,
     OperatorAction,
@@ -54,19 +54,6 @@ MAX_BUNDLE_FILE_READ = 4 * 2**20
 MAX_BUNDLE_READ = 32 * 2**20
 _PRIVATE_FILE = 0o600
 _PRIVATE_DIRECTORY = 0o700
-
-
-def to_jsonable(value: Any) -> Any:
-    """Dataclasses, enums and tuples as plain JSON values."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Mapping):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_jsonable(v) for v in value]
-    return value
 
 
 def _stage(data: Mapping[str, Any]) -> StageRef:
@@ -126,6 +113,8 @@ def _action_from_json(data: Mapping[str, Any]) -> OperatorAction:
 
 
 def incident_from_json(data: Mapping[str, Any]) -> Incident:
+    # Absent from lines an older watchdog journaled.
+    opened_monotonic = data.get("opened_monotonic")
     return Incident(
         incident_id=data["incident_id"],
         target=data["target"],
@@ -139,6 +128,7 @@ def incident_from_json(data: Mapping[str, Any]) -> Incident:
         bundle_dir=data.get("bundle_dir"),
         timeline=dict(data.get("timeline", {})),
         crashed=bool(data.get("crashed", False)),
+        opened_monotonic=None if opened_monotonic is None else float(opened_monotonic),
     )
 
 
@@ -279,18 +269,6 @@ class StateWriteErrors:
         if writer in self._failing:
             del self._failing[writer]
             log_event(logger, "state_write_recovered", logging.WARNING, writer=writer)
-
-
-@dataclasses.dataclass(frozen=True)
-class JournalEntry:
-    """An incident as the journal knows it, with the processes it was about."""
-
-    incident: Incident
-    root: ProcessIdentity | None
-    processes: tuple[ProcessIdentity, ...]
-    pgids: tuple[int, ...]
-    # What each device should read once the processes' memory is freed, when NVML was read.
-    gpu_baseline: Mapping[int, float] | None
 
 
 class IncidentJournal:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from omni_watchdog.config import LadderConfig
@@ -29,6 +29,7 @@ from omni_watchdog.types import (
     StepName,
     StepOutcome,
     StepResult,
+    TargetSnapshot,
 )
 
 # Allocator slack: a released device rarely reads back to the exact byte.
@@ -72,28 +73,6 @@ def ladder_from_config(config: LadderConfig) -> tuple[LadderStep, ...]:
         StepName.VERIFY: config.release_timeout,
     }
     return tuple(LadderStep(StepName(name), bounds[StepName(name)]) for name in config.steps)
-
-
-@dataclass(frozen=True)
-class TargetSnapshot:
-    """What an incident acts on, fixed when it opens."""
-
-    target: str
-    root: ProcessIdentity | None
-    processes: tuple[ProcessInfo, ...]
-    gpu_baseline: Mapping[int, float] | None
-    server_reports_failure: bool = False
-    gpu_held_at_open: float = 0.0
-    # False for a server known to stay up after a stage death (vLLM-Omni 0.30): waiting for
-    # it to exit by itself would only hold the ladder back.
-    may_exit_by_itself: bool = True
-
-    @property
-    def identities(self) -> tuple[ProcessIdentity, ...]:
-        return tuple(p.identity for p in self.processes)
-
-    def pgids(self) -> tuple[int, ...]:
-        return tuple(sorted({p.pgid for p in self.processes}))
 
 
 def gpu_held(reading: GpuReading | None, processes: tuple[ProcessInfo, ...]) -> float:

@@ -25,6 +25,7 @@ from omni_watchdog.types import (
     DIFFUSION_WORKER_TITLE,
     LLM_STAGE_TITLE,
     Clock,
+    CpuWaits,
     Observation,
     ObservationKind,
     ProbeError,
@@ -156,12 +157,12 @@ class ProcessTracker:
         server_topology: Callable[[int], Topology | None] = lambda pid: None,
         exit_notices: ExitNotices | None = None,
         headless: bool = False,
-        cpu_wait: Callable[[int, bool], float] = lambda pid, runnable: 0.0,
+        cpu_wait: CpuWaits = lambda pid, runnable: 0.0,
     ) -> None:
         """`headless`: without a pid, the server is found by its `--headless` command line
         (a vLLM-Omni 0.30 stage server on this host), not by a listening port. `cpu_wait`
-        reads how long a process has waited for a CPU, told whether its main thread is
-        runnable now (`ThreadWaits` for this kernel's)."""
+        reads how long a process has waited for a CPU (`ThreadWaits` for this kernel's);
+        by default none is read."""
         if pid is None and target_port is None and not headless:
             raise ValueError("ProcessTracker needs the server's pid or its port")
         self._headless = headless
@@ -779,7 +780,8 @@ class _ThreadsReading:
 
 class ThreadWaits:
     """How long a process's threads have waited, runnable, for a CPU: the time during
-    which some thread of it waited, as near as readings tell.
+    which some thread of it waited, as near as readings tell (`types.CpuWaits`, of this
+    kernel's processes).
 
     The kernel counts each thread's run-queue delay (`/proc/<pid>/task/<tid>/schedstat`,
     its second field, in ns). A stage's heartbeat passes through two threads, the loop that

@@ -9,12 +9,23 @@ so what the store holds is bounded whatever senders put in a span.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Union
+from typing import Any
 
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from omni_watchdog.probes.otlp_decode import (
+    MAX_ATTRIBUTES,
+    MAX_TEXT,
+    STATUS_NAMES,
+    AttributeValue,
+    ResourceInfo,
+    as_float,
+    as_int,
+    bounded_scalar,
+    flat_attributes,
+)
 from omni_watchdog.semconv import (
     EXCEPTION_MESSAGE,
     GEN_AI_LATENCY_E2E,
@@ -23,86 +34,18 @@ from omni_watchdog.semconv import (
     GEN_AI_REQUEST_ID,
     GEN_AI_USAGE_COMPLETION_TOKENS,
     GEN_AI_USAGE_PROMPT_TOKENS,
-    HOST_BOOT_ID,
     PROCESS_KIND,
     PROCESS_PID,
-    PROCESS_START_TICKS,
     REQUEST_ID,
-    SERVICE_NAME,
-    STAGE_ID,
     STAGE_NAME,
-    STAGE_REPLICA,
-    VLLM_PROCESS_ID,
-    VLLM_PROCESS_KIND,
 )
 from omni_watchdog.types import StageRef
 
-AttributeValue = Union[str, int, float, bool, list[Any]]  # noqa: UP007 (an alias, 3.10)
-
-STATUS_NAMES = ("unset", "ok", "error")
-STATUS_CODE_ERROR = 2
-
-# Bounds on what one span or resource may make the watchdog keep.
+# Bounds on what one kept span may make the watchdog keep.
 MAX_SPAN_BYTES = 4096
-MAX_ATTRIBUTES = 64
-MAX_TEXT = 256
-MAX_ITEMS = 16
 MAX_EVENTS = 8
 # Pids whose stage a resource taught; the target's tree is far smaller.
 MAX_LEARNED_PIDS = 4096
-
-
-def attribute_value(value: Any) -> AttributeValue | None:
-    """The Python value of an OTLP `AnyValue`; bytes become hex, maps become flat keys later."""
-    which = value.WhichOneof("value")
-    if which is None:
-        return None
-    if which == "array_value":
-        return [attribute_value(item) for item in value.array_value.values]
-    if which == "bytes_value":
-        return bytes(value.bytes_value).hex()
-    if which == "kvlist_value":
-        return {kv.key: attribute_value(kv.value) for kv in value.kvlist_value.values}  # type: ignore[return-value]
-    result: AttributeValue = getattr(value, which)
-    return result
-
-
-def flat_attributes(key_values: Iterable[Any]) -> dict[str, AttributeValue]:
-    """OTLP `KeyValue`s as one flat dict; nested maps become dotted keys."""
-    flat: dict[str, AttributeValue] = {}
-    for kv in key_values:
-        _put_flat(flat, kv.key, attribute_value(kv.value))
-    return flat
-
-
-def bounded_attributes(key_values: Any) -> dict[str, AttributeValue]:
-    """Like `flat_attributes`, but at most `MAX_ATTRIBUTES` keys, texts cut to `MAX_TEXT`,
-    lists to `MAX_ITEMS`, and nested maps kept as their text: for what a sender says about
-    itself, which is kept for as long as its spans are."""
-    bounded: dict[str, AttributeValue] = {}
-    for kv in key_values[:MAX_ATTRIBUTES]:
-        value = kv.value
-        which = value.WhichOneof("value")
-        if which == "array_value":
-            items = [_bounded_scalar(item) for item in value.array_value.values[:MAX_ITEMS]]
-            bounded[kv.key[:MAX_TEXT]] = [item for item in items if item is not None]
-        elif which is not None:
-            scalar = _bounded_scalar(value)
-            if scalar is not None:
-                bounded[kv.key[:MAX_TEXT]] = scalar
-    return bounded
-
-
-def _bounded_scalar(value: Any) -> str | int | float | bool | None:
-    which = value.WhichOneof("value")
-    if which in ("string_value", "int_value", "double_value", "bool_value"):
-        scalar: str | int | float | bool = getattr(value, which)
-        return scalar[:MAX_TEXT] if isinstance(scalar, str) else scalar
-    if which == "bytes_value":
-        return bytes(value.bytes_value[: MAX_TEXT // 2]).hex()
-    if which is None:
-        return None
-    return str(value)[:MAX_TEXT]
 
 
 def compact_span(span: Any) -> bytes:
@@ -125,7 +68,7 @@ def compact_span(span: Any) -> bytes:
     kept.status.message = span.status.message[:MAX_TEXT]
     budget = MAX_SPAN_BYTES - kept.ByteSize()
     for kv in span.attributes:
-        scalar = _bounded_scalar(kv.value)
+        scalar = bounded_scalar(kv.value)
         if scalar is None:
             continue
         attribute = kept.attributes.add(key=kv.key[:MAX_TEXT])
@@ -146,93 +89,33 @@ def compact_span(span: Any) -> bytes:
         copied = kept.events.add(name=event.name[:MAX_TEXT], time_unix_nano=event.time_unix_nano)
         for kv in event.attributes:
             if kv.key == EXCEPTION_MESSAGE:
-                copied.attributes.add(key=kv.key).value.string_value = str(
-                    _bounded_scalar(kv.value)
-                )
+                copied.attributes.add(key=kv.key).value.string_value = str(bounded_scalar(kv.value))
         budget -= copied.ByteSize() + 2
     result: bytes = kept.SerializeToString()
     return result
 
 
-def _put_flat(flat: dict[str, AttributeValue], key: str, value: Any) -> None:
-    if isinstance(value, dict):
-        for sub_key, sub_value in value.items():
-            _put_flat(flat, f"{key}.{sub_key}", sub_value)
-    elif value is not None:
-        flat[key] = value
-
-
-def as_int(value: object) -> int | None:
-    """An attribute as an int: OTLP JSON and some SDKs send numbers as strings."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        digits = value.strip().removeprefix("-")
-        # ASCII digits only: str.isdigit() also takes "¹", which int() refuses. A number
-        # longer than an int64 names nothing here, and int() of it costs quadratic time.
-        if digits.isascii() and digits.isdigit() and len(digits) <= 19:
-            return int(value)
-        return None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def as_float(value: object) -> float | None:
-    """An attribute as a float, or None when it is not a number."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
-
-
-def stage_of(attributes: Mapping[str, object]) -> StageRef | None:
-    """The stage named by `omni.stage.id` and `omni.stage.replica` (default 0), if any."""
-    stage_id = as_int(attributes.get(STAGE_ID))
-    if stage_id is None:
-        return None
-    replica = as_int(attributes.get(STAGE_REPLICA))
-    return StageRef(stage_id, replica or 0)
-
-
-@dataclass(frozen=True)
-class ResourceInfo:
-    """What the resource of a batch says about the process that sent it."""
-
-    attributes: Mapping[str, AttributeValue]
-    stage: StageRef | None
-    stage_name: str
-    pid: int | None
-    process_kind: str
-    service_name: str
-    start_ticks: int | None = None
-    boot_id: str = ""
-
-    @classmethod
-    def from_attributes(
-        cls, attributes: dict[str, AttributeValue], stage: StageRef | None
-    ) -> ResourceInfo:
-        """The resource whose attributes are `attributes` and that names `stage`."""
-        pid = as_int(attributes.get(PROCESS_PID))
-        if pid is None:
-            pid = as_int(attributes.get(VLLM_PROCESS_ID))
-        kind = attributes.get(PROCESS_KIND, attributes.get(VLLM_PROCESS_KIND, ""))
-        return cls(
-            attributes=attributes,
-            stage=stage,
-            stage_name=str(attributes.get(STAGE_NAME, "")),
-            pid=pid,
-            process_kind=str(kind),
-            service_name=str(attributes.get(SERVICE_NAME, "")),
-            start_ticks=as_int(attributes.get(PROCESS_START_TICKS)),
-            boot_id=str(attributes.get(HOST_BOOT_ID, "")),
-        )
-
-
-EMPTY_RESOURCE = ResourceInfo({}, None, "", None, "", "")
+def compacted(
+    kept: list[tuple[StageRef | None, Any]], per_stage: int | None = None
+) -> list[tuple[StageRef | None, bytes]]:
+    """The spans as bounded bytes, only the last `per_stage` of each stage: the ring would
+    drop the others at once, and serializing is most of what keeping a span costs."""
+    if per_stage is not None and len(kept) > per_stage:
+        # Keyed by identity: the receiver shares one StageRef per stage, and hashing the
+        # dataclass is most of this loop's cost.
+        left: dict[int, int] = {}
+        tail: list[tuple[StageRef | None, Any]] = []
+        for stage, span in reversed(kept):
+            room = left.get(id(stage), per_stage)
+            if room:
+                left[id(stage)] = room - 1
+                tail.append((stage, span))
+        kept = tail[::-1]
+    compacted = []
+    for stage, span in kept:
+        data = span.SerializeToString()
+        compacted.append((stage, data if len(data) <= MAX_SPAN_BYTES else compact_span(span)))
+    return compacted
 
 
 @dataclass(frozen=True)
@@ -314,6 +197,8 @@ class SpanStore:
         # Each entry is (span bytes, its resource, the stage it was filed under).
         self._rings: dict[StageRef | None, deque[tuple[bytes, ResourceInfo, StageRef | None]]] = {}
         self._pids: dict[int, tuple[StageRef, str]] = {}
+        # The start each learned pid's process named, to tell a reused pid's new process.
+        self._starts: dict[int, int | None] = {}
 
     def ring(self, stage: StageRef | None) -> deque[tuple[bytes, ResourceInfo, StageRef | None]]:
         """The ring of `stage`, created on first use; append (`compact_span` bytes, resource,
@@ -323,11 +208,31 @@ class SpanStore:
             ring = self._rings[stage] = deque(maxlen=self.ring_size)
         return ring
 
-    def learn_pid(self, pid: int, stage: StageRef, process_kind: str) -> None:
-        """Remember that `pid` serves `stage`, as a batch's resource attributes said."""
+    def file(self, resource: ResourceInfo, kept: list[tuple[StageRef | None, bytes]]) -> None:
+        """Append one resource's `compacted` spans to the rings of the stages they name."""
+        filed_stage: StageRef | None = None
+        ring = self.ring(None)
+        for stage, data in kept:
+            if stage is not filed_stage:
+                filed_stage, ring = stage, self.ring(stage)
+            ring.append((data, resource, stage))
+
+    def learn_pid(
+        self, pid: int, stage: StageRef, process_kind: str, start_ticks: int | None = None
+    ) -> bool:
+        """Remember that `pid` serves `stage`, as a batch's resource attributes said; True
+        when that is news: a pid not known, a stage or kind that changed, or another
+        process (another start) behind a known pid."""
+        learned = (stage, process_kind)
+        if self._pids.get(pid) == learned and self._starts.get(pid) == start_ticks:
+            return False
         if pid not in self._pids and len(self._pids) >= MAX_LEARNED_PIDS:
-            del self._pids[next(iter(self._pids))]
-        self._pids[pid] = (stage, process_kind)
+            forgotten = next(iter(self._pids))
+            del self._pids[forgotten]
+            self._starts.pop(forgotten, None)
+        self._pids[pid] = learned
+        self._starts[pid] = start_ticks
+        return True
 
     def recent(self, stage: StageRef | None) -> list[SpanRecord]:
         """The spans kept for `stage` (None: spans without a stage), oldest first."""

@@ -16,7 +16,7 @@ import pytest
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector import Detector
-from omni_watchdog.detector.core import STEP_SLACK
+from omni_watchdog.detector.memory import STEP_SLACK
 from omni_watchdog.types import (
     DIFFUSION_WORKER_TITLE,
     STAGE_TYPE_DIFFUSION,

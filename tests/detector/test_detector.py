@@ -12,12 +12,12 @@ import pytest
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector import Detector
-from omni_watchdog.detector.core import MAX_EXTRA_STAGES, MAX_PROCESSES_PER_STAGE
 from omni_watchdog.detector.expectations import (
     EARLY_SPANS_PER_REQUEST,
     BlindSpells,
     PendingRequests,
 )
+from omni_watchdog.detector.memory import MAX_EXTRA_STAGES, MAX_PROCESSES_PER_STAGE
 from omni_watchdog.probes.processes import ThreadWaits
 from omni_watchdog.types import (
     PIPELINE,
@@ -837,7 +837,7 @@ def test_processes_per_stage_are_bounded() -> None:
         for n in range(5 * MAX_PROCESSES_PER_STAGE)
     )
     detector.observe([Observation(ObservationKind.HEARTBEAT, 1.5, S0)])
-    assert len(detector._stages[S0].processes) == MAX_PROCESSES_PER_STAGE
+    assert len(detector._target.stages[S0].processes) == MAX_PROCESSES_PER_STAGE
 
 
 def test_a_learned_topology_keeps_what_is_known_of_the_stages_that_stay() -> None:

@@ -18,7 +18,7 @@ import pytest
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector import Detector
-from omni_watchdog.detector.core import SILENT_SHARE
+from omni_watchdog.detector.silence import SILENT_SHARE
 from omni_watchdog.types import (
     STEP_COUNTERS,
     ChildActivity,

@@ -14,11 +14,13 @@ from typing import Any
 
 import aiohttp
 import explain
+from deadline import wait_for
 from ports import free_port
 
 from omni_watchdog import demo
 from omni_watchdog.config import PROBES, merge_layers
-from omni_watchdog.demo import SimProcess, closed_incident, send_request, wait_for
+from omni_watchdog.demo import closed_incident, send_request
+from omni_watchdog.sim.launcher import SimProcess
 from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
 
 FAST: dict[str, Any] = {
@@ -98,7 +100,7 @@ async def warmed_up(watchdog: Any, judged_after: float | None = None) -> None:
             ),
             WARM_UP_LIMIT,
         )
-    except TimeoutError as error:
+    except AssertionError as error:
         report = watchdog.state.report
         raise AssertionError(
             f"not warm after {WARM_UP_LIMIT:g}s: judged {report is not None},"
@@ -122,7 +124,7 @@ async def judged_for(watchdog: Any, seconds: float, slack: float = 60.0) -> None
 
     try:
         await wait_for(lambda: judged() > seconds, seconds + slack)
-    except TimeoutError as error:
+    except AssertionError as error:
         raise AssertionError(
             f"the watchdog judged {judged():.1f}s of the {seconds:g}s wanted in"
             f" {seconds + slack:g}s; self-health {watchdog.state.self_health}"
@@ -206,7 +208,7 @@ async def all_healthy(watchdog: Any, timeout: float) -> None:
             lambda: all(s.state is StageState.HEALTHY for s in watchdog.state.report.statuses),
             timeout,
         )
-    except TimeoutError as error:
+    except AssertionError as error:
         report = watchdog.state.report
         others = [
             f"{s.stage}: {s.state.value} ("

@@ -25,21 +25,17 @@ from typing import Any
 import aiohttp
 import psutil
 import yaml
+from deadline import wait_for
 from e2e.harness import FAST, SIM_ENV, warmed_up
 from ports import free_port
 
 from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import merge_layers
-from omni_watchdog.demo import (
-    REPORT_REQUEST,
-    SimProcess,
-    demo_config,
-    example_config,
-    wait_for,
-)
+from omni_watchdog.demo import REPORT_REQUEST, demo_config
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.sim.faults import FAULTS_FILE
+from omni_watchdog.sim.launcher import SimProcess, example_config
 from omni_watchdog.sim.nvml import STATE_ENV, SimulatedNvml
 from omni_watchdog.sim.wire import MASTER_FILE
 
@@ -49,6 +45,8 @@ REMOTE_STAGE = 1
 # The head's `--omni-heartbeat-timeout`: a silent remote replica is evicted after this.
 EVICT_AFTER_S = 3.0
 REPLICA_TITLE = f"StageEngineCoreProc_stage{REMOTE_STAGE}_replica"
+# How often a wait asks the servers and watchdogs over HTTP.
+POLL_INTERVAL = 0.2
 
 
 @dataclass
@@ -90,8 +88,7 @@ class StageHost:
                         return await self.get(f"/v1/incidents/{summary['incident_id']}")
             return None
 
-        found: dict[str, Any] = await poll(closed, timeout)
-        return found
+        return await wait_for(closed, timeout, "a closed incident", interval=POLL_INTERVAL)
 
     def leftovers(self) -> list[int]:
         """Live processes of the headless stage (its watchdog reads the same state
@@ -128,18 +125,6 @@ class StageHost:
                 self.watchdog.kill()
                 self.watchdog.wait(timeout=5)
         self.sim.stop()
-
-
-async def poll(check: Any, timeout: float, interval: float = 0.2) -> Any:
-    """Until the coroutine function `check` returns something truthy."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        found = await check()
-        if found:
-            return found
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"nothing after {timeout:g}s")
-        await asyncio.sleep(interval)
 
 
 def start_stage_host(
@@ -334,10 +319,7 @@ async def stage_ready(head: Head, stage: StageHost) -> None:
             and bool((status.get("link") or {}).get("up"))
         )
 
-    try:
-        await poll(ready, 60)
-    except TimeoutError:
-        raise AssertionError(f"the stage host never got ready: {seen}") from None
+    await wait_for(ready, 60, "the stage host ready", interval=POLL_INTERVAL, seen=lambda: seen)
 
 
 @asynccontextmanager
@@ -364,7 +346,7 @@ async def running_stage_host(
         if with_watchdog:
             await stage_ready(head, stage)
         else:
-            await poll(lambda: _serving(head), 60)
+            await wait_for(lambda: _serving(head), 60, "the head serving", interval=POLL_INTERVAL)
         await warmed_up(head.watchdog)
         yield stage
     finally:

@@ -9,13 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from deadline import wait_for, wait_until
 from e2e.harness import (
     SIM_ENV,
     WAITS_FOR_A_CRASH,
@@ -31,9 +31,9 @@ from ports import free_port
 
 from omni_watchdog.cli import EXIT_CANNOT_START, EXIT_CONFIG
 from omni_watchdog.config import merge_layers
-from omni_watchdog.demo import SimProcess, example_config, wait_for
 from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.semconv import HEARTBEAT_SPAN, PROCESS_PID, STAGE_ID
+from omni_watchdog.sim.launcher import SimProcess, example_config
 from omni_watchdog.types import IncidentOutcome
 
 pytestmark = pytest.mark.e2e
@@ -77,14 +77,13 @@ def test_run_command_attaches_and_stops_on_sigterm(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 40
-        status = None
-        while time.monotonic() < deadline:
+
+        def warm_status() -> Any:
             status = get_json(f"http://127.0.0.1:{api}/v1/status")
-            if status and status["target"]["warmed_up"]:
-                break
-            time.sleep(0.25)
-        assert status is not None and status["target"]["pid"] == server.process.pid
+            return status if status and status["target"]["warmed_up"] else None
+
+        status = wait_until(warm_status, 40, "/v1/status warmed up", 0.25)
+        assert status["target"]["pid"] == server.process.pid
         assert [s["name"] for s in status["stages"]] == ["thinker", "talker", "code2wav"]
         assert status["probes"]["gpu"]["up"] is False  # no NVML: reported, the rest goes on
         watchdog.send_signal(signal.SIGTERM)
@@ -205,12 +204,12 @@ def test_run_serves_otlp_as_a_collector_does(tmp_path: Path) -> None:
         env={**os.environ, "OMNI_WATCHDOG_OTLP_TOKEN": "s3cret"},
     )
     try:
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline:
+
+        def attached_to_server() -> Any:
             status = get_json(f"http://127.0.0.1:{api}/v1/status")
-            if status and status["target"]["pid"] == server.process.pid:
-                break
-            time.sleep(0.25)
+            return status and status["target"]["pid"] == server.process.pid
+
+        wait_until(attached_to_server, 40, "/v1/status attached to the server", 0.25)
         protobuf, otlp_json = otlp_bodies(server.process.pid)
         traces = f"http://127.0.0.1:{otlp}/v1/traces"
         token = {"Authorization": "Bearer s3cret"}
@@ -238,15 +237,14 @@ def test_run_serves_otlp_as_a_collector_does(tmp_path: Path) -> None:
         }
         # /metrics shows the state of the last evaluation, a fraction of a second behind:
         # one may have counted the first exports and not yet the last refusals.
-        deadline = time.monotonic() + 5
-        while True:
+
+        def counted_as_expected() -> str | None:
             with urllib.request.urlopen(f"http://127.0.0.1:{api}/metrics", timeout=5) as response:
                 text = response.read().decode()
             counted = {series: metric(text, series) for series in expected}
-            if counted == expected or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert counted == expected
+            return text if counted == expected else None
+
+        text = wait_until(counted_as_expected, 5, f"/metrics counting {expected}")
         assert metric(text, 'omni_watchdog_internal_errors_total{loop="listener"}') == 0
         with urllib.request.urlopen(f"http://127.0.0.1:{api}/healthz", timeout=5) as response:
             assert response.status == 200

@@ -27,13 +27,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import pytest
+from deadline import wait_for
 from e2e.harness import FAST, SIM_ENV, run_scenario
 from e2e.test_cli_run import metric
 from google.protobuf import json_format
@@ -48,12 +49,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_alerts import EXPORTER_FAMILIES, prometheus_tool
 
 from omni_watchdog.config import PROBES, merge_layers
-from omni_watchdog.demo import SimProcess, example_config
 from omni_watchdog.process_start import sender_attributes
+from omni_watchdog.sim.launcher import SimProcess, example_config
 
 pytestmark = pytest.mark.e2e
-
-T = TypeVar("T")
 
 GENERATION = "0.30"
 # (stage_id, replica, name) of the example 0.30 pipeline.
@@ -126,18 +125,6 @@ async def call(
         session.request(method, url, data=body, headers=headers) as response,
     ):
         return Reply(response.status, response.headers.copy(), await response.read())
-
-
-async def eventually(check: Callable[[], Awaitable[T | None]], what: str, timeout: float) -> T:
-    """Poll `check` until it gives something other than None, or fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = await check()
-        if found is not None:
-            return found
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what}: not within {timeout:g}s")
-        await asyncio.sleep(POLL_INTERVAL)
 
 
 async def scrape(running: Running) -> str:
@@ -236,7 +223,11 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
 
     try:
         try:
-            asyncio.run(eventually(healthy, "every simulated stage judged healthy", START_TIMEOUT))
+            asyncio.run(
+                wait_for(
+                    healthy, START_TIMEOUT, "every simulated stage judged healthy", POLL_INTERVAL
+                )
+            )
         except AssertionError as error:
             raise AssertionError(f"{error}; the watchdog's log:\n{started.log_tail()}") from None
         yield started
@@ -616,7 +607,9 @@ def test_every_otlp_answer_through_run(running: Running) -> None:
             now = received(await scrape(running))
             return now if now > received(after) else None
 
-        await eventually(more_received, "the simulated server's spans received", WAIT_TIMEOUT)
+        await wait_for(
+            more_received, WAIT_TIMEOUT, "the simulated server's spans received", POLL_INTERVAL
+        )
         # ...and none of the above made a stage look anything but live.
         health = await call("GET", running.api + "/v1/target/health")
         assert health.status == 200, health.text

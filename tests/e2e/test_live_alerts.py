@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import subprocess
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import yaml
+from deadline import wait_for
 from e2e.harness import FAST, SIM_ENV, attached, run_scenario, warmed_up
 from ports import free_port
 from test_alerts import RULES, prometheus_tool
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.e2e
 SHORT_FOR = "2s"
 # The stage-1 hang is judged stalled, or dead once the engine's exit is seen.
 HANG_ALERTS = {"OmniStageStalled", "OmniStageDead"}
+# How often Prometheus is asked: it scrapes and evaluates every second.
+PROMETHEUS_EVERY = 0.5
 
 
 def rules_with_short_for(path: Path) -> Path:
@@ -139,7 +142,9 @@ def test_a_hang_fires_the_stage_alert_in_prometheus(
                 data = await api(session, targets_url)
                 return bool(data) and any(t["health"] == "up" for t in data["activeTargets"])
 
-            await poll(scraped, 30, "Prometheus never scraped the watchdog's /metrics")
+            await wait_for(
+                scraped, 30, "Prometheus scraping the watchdog's /metrics", PROMETHEUS_EVERY
+            )
             await warmed_up(watchdog)
             request = asyncio.create_task(send_request(server.url))
             alerts: list[dict[str, Any]] = []
@@ -152,7 +157,7 @@ def test_a_hang_fires_the_stage_alert_in_prometheus(
                     for a in alerts
                 )
 
-            await poll(firing, 60, "no stage alert reached firing")
+            await wait_for(firing, 60, "a stage alert firing", PROMETHEUS_EVERY)
             request.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await request
@@ -172,13 +177,3 @@ def test_a_hang_fires_the_stage_alert_in_prometheus(
     assert stage["labels"]["severity"] == "critical"
     assert stage["labels"]["job"] == "omni-watchdog"
     assert stage["annotations"]["runbook_url"].endswith("#" + stage["labels"]["alertname"].lower())
-
-
-async def poll(predicate: Callable[[], Awaitable[bool]], timeout: float, message: str) -> None:
-    """Await `predicate()` every 0.5 s until it is true, or raise TimeoutError(`message`)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await predicate():
-        if loop.time() >= deadline:
-            raise TimeoutError(f"{message} within {timeout:g}s")
-        await asyncio.sleep(0.5)

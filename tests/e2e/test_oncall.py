@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
+from deadline import wait_for
 from e2e.harness import (
     FAST,
     OPERATOR_TOKEN,
@@ -29,8 +30,8 @@ from e2e.harness import (
 from exporters.browser import laid_out
 
 from omni_watchdog.config import merge_layers
-from omni_watchdog.demo import SimProcess, wait_for
 from omni_watchdog.policy.incidents import IncidentJournal, StateWriteErrors
+from omni_watchdog.sim.launcher import SimProcess
 from omni_watchdog.types import IncidentOutcome, OperatorAction, StepName
 
 pytestmark = pytest.mark.e2e

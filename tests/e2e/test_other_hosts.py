@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from deadline import wait_for
 from e2e.harness import (
     FAST,
     RECOVERED,
@@ -34,7 +35,6 @@ from e2e.hosts import (
 )
 
 from omni_watchdog.config import merge_layers
-from omni_watchdog.demo import wait_for
 from omni_watchdog.types import StageRef, StageState
 
 pytestmark = pytest.mark.e2e

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
+from deadline import wait_for, wait_until
 from e2e.forgery import forge, traces_url
 from e2e.harness import (
     FAST,
@@ -36,10 +37,10 @@ from e2e.harness import (
     warmed_up,
     with_fault,
 )
-from sim.sim_helpers import CONFIGS, Sim, wait_until
+from sim.sim_helpers import CONFIGS, Sim
 
 from omni_watchdog.config import merge_layers
-from omni_watchdog.demo import REPORT_REQUEST, wait_for
+from omni_watchdog.demo import REPORT_REQUEST
 from omni_watchdog.log import configure_logging
 from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.semconv import PROCESS_PID

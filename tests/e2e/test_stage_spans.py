@@ -4,14 +4,14 @@ and a stage's heartbeats stop exactly when its loop blocks."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from deadline import wait_for
 from e2e.harness import FAST, SIM_ENV, attached, run_scenario
 
-from omni_watchdog.demo import send_request, wait_for
+from omni_watchdog.demo import send_request
 from omni_watchdog.semconv import (
     HEARTBEAT_SPAN,
     REQUEST_ADMITTED_SPAN,
@@ -37,20 +37,14 @@ async def quiet_while_others_beat(watchdog: Any, blocked: StageRef, beats: int) 
     """Wait until every other stage's heartbeat has landed `beats` times in a row in which
     `blocked`'s did not; its last heartbeat then."""
     others = set(STAGES) - {blocked}
-    deadline = time.monotonic() + 30
     heartbeat = watchdog.detector.last_heartbeat
     quiet_at: float | None = heartbeat(blocked)
     last = {stage: heartbeat(stage) for stage in others}
     landed = dict.fromkeys(others, 0)
     moves = 0
-    while min(landed.values()) < beats:
-        if time.monotonic() > deadline:
-            counts = ", ".join(f"stage {stage}: {count}" for stage, count in landed.items())
-            raise AssertionError(
-                f"stage {blocked}'s heartbeat moved {moves} time(s); since its last move the"
-                f" others' landed {counts} times, not {beats} each"
-            )
-        await asyncio.sleep(0.05)
+
+    def others_landed() -> bool:
+        nonlocal quiet_at, landed, moves
         if heartbeat(blocked) != quiet_at:
             quiet_at = heartbeat(blocked)
             landed = dict.fromkeys(others, 0)
@@ -59,6 +53,16 @@ async def quiet_while_others_beat(watchdog: Any, blocked: StageRef, beats: int) 
             if heartbeat(stage) != last[stage]:
                 last[stage] = heartbeat(stage)
                 landed[stage] += 1
+        return min(landed.values()) >= beats
+
+    def counts() -> str:
+        counted = ", ".join(f"stage {stage}: {count}" for stage, count in landed.items())
+        return (
+            f"stage {blocked}'s heartbeat moved {moves} time(s); since its last move the"
+            f" others' landed {counted} times, not {beats} each"
+        )
+
+    await wait_for(others_landed, 30, f"stage {blocked} quiet while others beat", 0.05, seen=counts)
     return quiet_at
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from deadline import wait_for
 from e2e.harness import (
     FAST,
     RECOVERED,
@@ -21,7 +22,7 @@ from e2e.harness import (
     with_fault,
 )
 
-from omni_watchdog.demo import send_request, wait_for
+from omni_watchdog.demo import send_request
 from omni_watchdog.types import PIPELINE, EvidenceKind, StageRef, StageState
 
 pytestmark = pytest.mark.e2e

@@ -13,6 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
+from deadline import wait_for
 from e2e.harness import (
     FAST,
     RECOVERED,
@@ -33,7 +34,6 @@ from e2e.harness import (
 )
 
 from omni_watchdog.config import ProbesConfig, merge_layers
-from omni_watchdog.demo import wait_for
 from omni_watchdog.exporters.views import target_health
 from omni_watchdog.log import configure_logging
 from omni_watchdog.sim.engine import BUILD_S, BUILDER_NAMES

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from deadline import wait_for
 from e2e.harness import FAST, SIM_ENV, attached, run_scenario
 from e2e.test_watchdog_api import get
 
-from omni_watchdog.demo import wait_for
 from omni_watchdog.types import TopologyOrigin
 
 pytestmark = pytest.mark.e2e

@@ -1,8 +1,9 @@
 """A hand-built incident and bundle for the HTML report's tests, shaped like a real one.
 
 The shapes follow what the policy writes: the incident through `to_jsonable`, verdict and
-evidence times on the monotonic clock with the timeline holding their wall times, and
-py-spy dump output under the capture step's "# pid" header.
+evidence times on the monotonic clock, which the incident read as it opened
+(`opened_monotonic`), the timeline holding their wall times, and py-spy dump output under
+the capture step's "# pid" header.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from omni_watchdog.policy.incidents import to_jsonable
+from omni_watchdog.jsonable import to_jsonable
 from omni_watchdog.types import (
     Evidence,
     EvidenceKind,
@@ -80,6 +81,7 @@ def sample_incident(**changes: Any) -> dict[str, Any]:
             "released": released,
             "closed": released + 0.01,
         },
+        "opened_monotonic": OPENED - WALL_AHEAD,
     }
     fields.update(changes)
     jsonable = to_jsonable(Incident(**fields))

@@ -15,11 +15,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from deadline import wait_for
 from e2e.harness import FAST, SIM_ENV, attached, in_background, incident_done, warmed_up
 from exporters.otlp_capture import CaptureServer, attributes
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_watchdog.demo import wait_for
 from omni_watchdog.exporters.prometheus import UNKNOWN_HOST
 from omni_watchdog.log import configure_logging
 from omni_watchdog.semconv import INCIDENT_ID, INCIDENT_SPAN, LADDER_STEP_SPAN_PREFIX

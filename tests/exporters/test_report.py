@@ -22,7 +22,7 @@ from exporters.report_bundle import (
     sample_incident,
 )
 
-from omni_watchdog.exporters.report import STACK_FRAMES_SHOWN, render_incident_report
+from omni_watchdog.exporters.report.page import STACK_FRAMES_SHOWN, render_incident_report
 from omni_watchdog.semconv import (
     DENOISE_STEP_COUNT,
     DENOISE_STEP_INDEX,
@@ -552,3 +552,97 @@ def test_denoising_shows_each_request_at_its_latest_step_and_the_stage_s_pace() 
     assert cells[:4] == ["1.0", "img-7", "37/50", "0.35 s"]
     assert "img-6" not in cells
     assert section(parse(render()), "denoising").find("p")[0].all_text() == "none"
+
+
+HUGE = 10**400  # an integer beyond any float: float() of it raises OverflowError
+
+
+def test_an_integer_beyond_any_float_in_a_bare_incident_still_gives_the_page() -> None:
+    tree = parse(render_incident_report({"opened": HUGE}, {}))
+    text = tree.root.all_text()
+    assert "could not be read" not in text and "could not be rendered" not in text
+    opened = section(tree, "summary").find("dd")[5]
+    assert opened.all_text() == "unknown"
+
+
+def with_value_at(path: tuple[str | int, ...], value: Any) -> Any:
+    """A valid incident, or one of its bundle files, with `value` at `path`."""
+    incident = sample_incident()
+    files: dict[str, Any] = {
+        name: json.loads(content)
+        for name, content in sample_files(incident).items()
+        if name.endswith(".json")
+    }
+    document: dict[str, Any] = {"incident": incident, **files}
+    *parents, last = path
+    holder: Any = document
+    for key in parents:
+        holder = holder[key]
+    holder[last] = value
+    return document
+
+
+@pytest.mark.parametrize("value", [HUGE, -HUGE, float("nan"), float("inf"), "12", True, [1]])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ("incident", "opened"),
+        ("incident", "opened_monotonic"),
+        ("incident", "closed"),
+        ("incident", "timeline", "verdict"),
+        ("incident", "steps", 1, "started"),
+        ("incident", "steps", 1, "duration"),
+        ("incident", "verdicts", 0, "time"),
+        ("incident", "verdicts", 0, "evidence", 0, "since"),
+        ("incident", "verdicts", 0, "stage", "stage_id"),
+        ("processes.json", 1, "pid"),
+        ("processes.json", 1, "create_time"),
+        ("processes.json", 1, "cpu_seconds"),
+        ("states.json", 2, "time"),
+        ("gpu-timeline.json", 3, "time"),
+        ("gpu-timeline.json", 3, "devices", "0"),
+        ("gpu.json", "processes", 0, "pid"),
+        ("gpu.json", "devices", 0, "used_bytes"),
+    ],
+    ids=lambda path: ".".join(str(key) for key in path) if isinstance(path, tuple) else None,
+)
+def test_an_odd_number_costs_only_its_own_field(path: tuple[str | int, ...], value: Any) -> None:
+    """Through the incident the API passes and through the bundle's files alike."""
+    document = with_value_at(path, value)
+    incident = document.pop("incident")
+    files = sample_files(incident, replace={name: json.dumps(v) for name, v in document.items()})
+    if path[0] == "gpu.json":
+        del files["gpu-timeline.json"]  # the capture's one reading is shown only without it
+    tree = parse(render_incident_report(incident, files, []))
+    text = tree.root.all_text()
+    assert "could not be read" not in text and "could not be rendered" not in text
+    steps = section(tree, "timeline").find("g", "step")
+    assert [g.attrs["data-step"] for g in steps] == [step.value for step, _, _, _ in LADDER]
+
+
+def test_an_incident_that_recorded_no_clock_pair_shows_its_verdict_times_as_monotonic() -> None:
+    """Bundles written before incidents recorded `opened_monotonic`: their verdict and
+    evidence times are not guessed onto the wall clock; the timeline's own wall-clock
+    moment of the verdict still places it on the drawing."""
+    incident = sample_incident()
+    del incident["opened_monotonic"]
+    files = sample_files(incident)
+    del files["states.json"]
+    tree = parse(render(incident, files))
+    evidence = section(tree, "evidence").all_text()
+    assert "Verdict at monotonic 33730.500 s (no wall-clock anchor)" in evidence
+    assert "monotonic 33727.700 s (no wall-clock anchor) (2.80 s before the verdict)" in evidence
+    assert "2026-12-04T00:17:06.950Z" not in evidence
+    (mark,) = section(tree, "timeline").find("rect", "verdict")
+    assert "2026-12-04T00:17:09.750Z" in mark.all_text()
+
+
+def test_a_time_is_read_on_the_clock_it_was_recorded_on_whatever_its_size() -> None:
+    """A wall-clock time of the 1970s is a wall-clock time, and a verdict time as large
+    as a wall-clock one is still a monotonic one."""
+    incident = sample_incident(opened=5.0, opened_monotonic=1_700_000_000.0)
+    incident["verdicts"][0]["time"] = 1_700_000_000.0
+    tree = parse(render(incident, {}))
+    assert "1970-01-01T00:00:05.000Z" in section(tree, "summary").all_text()
+    (verdict,) = section(tree, "evidence").find("article", "verdict")
+    assert verdict.find("time")[0].attrs["datetime"] == "1970-01-01T00:00:05.000Z"

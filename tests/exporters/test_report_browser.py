@@ -12,7 +12,7 @@ import pytest
 from exporters.browser import PNG_MAGIC, laid_out, run_chromium
 from exporters.report_bundle import LADDER, sample_files, sample_incident
 
-from omni_watchdog.exporters.report import render_incident_report
+from omni_watchdog.exporters.report.page import render_incident_report
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,8 @@ from omni_watchdog.config import WORKING_CAUSES, WatchdogConfig
 from omni_watchdog.detector import Detector
 from omni_watchdog.exporters.prometheus import MetricsExposition
 from omni_watchdog.probes.gpu import observations_of
-from omni_watchdog.probes.spans import REJECTION_REASONS, RESPONSE_STATUSES
+from omni_watchdog.probes.otlp_transport import RESPONSE_STATUSES
+from omni_watchdog.probes.spans import REJECTION_REASONS
 from omni_watchdog.stats import WatchdogStats
 from omni_watchdog.types import (
     GpuDevice,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -99,24 +98,6 @@ class Collector:
     def named(self, name: str) -> list[CapturedSpan]:
         with self._lock:
             return [span for span in self.spans if span.name == name]
-
-
-def poll_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll `predicate` until it holds or `timeout` seconds have passed."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
-WaitUntil = Callable[..., bool]
-
-
-@pytest.fixture
-def wait_until() -> WaitUntil:
-    return poll_until
 
 
 @pytest.fixture

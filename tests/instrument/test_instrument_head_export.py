@@ -5,17 +5,18 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
+from deadline import wait_until
 from instrument.kept_spans import BlockedExporter, KeptSpans
 
 from omni_watchdog.instrument.telemetry import StageTelemetry
 from omni_watchdog.semconv import HEARTBEAT_SPAN, HOST_NAME, STAGE_REQUEST_SPAN
 
 Collector = Any
-WaitUntil = Callable[..., bool]
+# How long an export to a collector on this machine may take.
+EXPORT_WAIT_S = 5.0
 LOCAL_TOKEN = "local-token"
 HEAD_TOKEN = "head-token"
 
@@ -44,11 +45,11 @@ def emit(telemetry: StageTelemetry, requests: int) -> None:
 
 
 def test_both_watchdogs_get_the_same_spans_each_with_its_own_token(
-    collector: Collector, head_collector: Collector, wait_until: WaitUntil
+    collector: Collector, head_collector: Collector
 ) -> None:
     telemetry = headless_stage(collector.url, head_collector.url)
     emit(telemetry, 5)
-    assert wait_until(lambda: len(collector.spans) == len(head_collector.spans) == 10)
+    wait_until(lambda: len(collector.spans) == len(head_collector.spans) == 10, EXPORT_WAIT_S)
     telemetry.shutdown(timeout_s=2.0)
 
     def by_id(span: Any) -> bytes:
@@ -61,7 +62,7 @@ def test_both_watchdogs_get_the_same_spans_each_with_its_own_token(
 
 
 def test_a_hanging_head_holds_back_none_of_the_local_watchdogs_heartbeats(
-    collector: Collector, head_collector: Collector, wait_until: WaitUntil
+    collector: Collector, head_collector: Collector
 ) -> None:
     head_collector.hanging = True
     telemetry = headless_stage(collector.url, head_collector.url)
@@ -72,8 +73,12 @@ def test_a_hanging_head_holds_back_none_of_the_local_watchdogs_heartbeats(
     while time.monotonic() - started < 6.0:
         telemetry.heartbeat()
         beats += 1
-        assert wait_until(lambda beats=beats: len(collector.named(HEARTBEAT_SPAN)) == beats, 1.5)
-    assert wait_until(lambda: telemetry.head_dropped_spans > 0)
+
+        def landed(beats: int = beats) -> bool:
+            return len(collector.named(HEARTBEAT_SPAN)) == beats
+
+        wait_until(landed, 1.5)
+    wait_until(lambda: telemetry.head_dropped_spans > 0, EXPORT_WAIT_S)
     assert telemetry.dropped_spans == 0
     assert not head_collector.spans
     started = time.monotonic()
@@ -86,7 +91,6 @@ def test_a_refusing_head_loses_only_its_own_spans_and_says_which_endpoint_failed
     collector: Collector,
     head_collector: Collector,
     unused_port: int,
-    wait_until: WaitUntil,
     caplog: pytest.LogCaptureFixture,
     refusal: str,
 ) -> None:
@@ -98,9 +102,15 @@ def test_a_refusing_head_loses_only_its_own_spans_and_says_which_endpoint_failed
     telemetry = headless_stage(collector.url, head_url)
     emit(telemetry, 20)
     # Failed once in 1,202 on two busy workers, unseen since: each assertion says what it saw.
-    assert wait_until(lambda: telemetry.head_dropped_spans == 40), telemetry.head_dropped_spans
-    assert wait_until(lambda: len(collector.named(STAGE_REQUEST_SPAN)) == 20), len(
-        collector.named(STAGE_REQUEST_SPAN)
+    wait_until(
+        lambda: telemetry.head_dropped_spans == 40,
+        EXPORT_WAIT_S,
+        seen=lambda: telemetry.head_dropped_spans,
+    )
+    wait_until(
+        lambda: len(collector.named(STAGE_REQUEST_SPAN)) == 20,
+        EXPORT_WAIT_S,
+        seen=lambda: len(collector.named(STAGE_REQUEST_SPAN)),
     )
     telemetry.shutdown(timeout_s=2.0)
     assert telemetry.dropped_spans == 0, telemetry.dropped_spans
@@ -109,9 +119,7 @@ def test_a_refusing_head_loses_only_its_own_spans_and_says_which_endpoint_failed
     assert all(message.startswith(f"span export to {head_url}/v1/traces ") for message in failures)
 
 
-def test_a_stuck_head_waits_with_a_bounded_backlog_and_the_local_one_gets_everything(
-    wait_until: WaitUntil,
-) -> None:
+def test_a_stuck_head_waits_with_a_bounded_backlog_and_the_local_one_gets_everything() -> None:
     local, head = KeptSpans(), BlockedExporter()
     telemetry = StageTelemetry(
         local,
@@ -124,7 +132,11 @@ def test_a_stuck_head_waits_with_a_bounded_backlog_and_the_local_one_gets_everyt
     for sent in range(5, 35, 5):
         for _ in range(5):
             telemetry.heartbeat()
-        assert wait_until(lambda sent=sent: len(local.spans) == sent)
+
+        def all_local(sent: int = sent) -> bool:
+            return len(local.spans) == sent
+
+        wait_until(all_local, EXPORT_WAIT_S)
     assert telemetry.dropped_spans == 0
     # At most the backlog's 10 spans wait for the head; the rest are lost to it, counted.
     assert telemetry.head_dropped_spans >= 20
@@ -138,7 +150,6 @@ def test_a_stuck_head_waits_with_a_bounded_backlog_and_the_local_one_gets_everyt
 def test_without_the_heads_token_nothing_goes_to_the_head_and_one_warning_says_why(
     collector: Collector,
     head_collector: Collector,
-    wait_until: WaitUntil,
     caplog: pytest.LogCaptureFixture,
     token: str | None,
 ) -> None:
@@ -156,13 +167,13 @@ def test_without_the_heads_token_nothing_goes_to_the_head_and_one_warning_says_w
     assert "OMNI_WATCHDOG_HEAD_OTLP_TOKEN" in warning.getMessage()
     assert warning.exc_info is None
     telemetry.heartbeat()
-    assert wait_until(lambda: len(collector.spans) == 1)
+    wait_until(lambda: len(collector.spans) == 1, EXPORT_WAIT_S)
     telemetry.shutdown(timeout_s=2.0)
     assert head_collector.authorizations == []
 
 
 def test_with_no_watchdog_beside_it_the_head_alone_gets_the_spans(
-    head_collector: Collector, wait_until: WaitUntil
+    head_collector: Collector,
 ) -> None:
     telemetry = StageTelemetry.from_environment(
         process_kind="stage",
@@ -173,7 +184,7 @@ def test_with_no_watchdog_beside_it_the_head_alone_gets_the_spans(
         },
     )
     telemetry.heartbeat()
-    assert wait_until(lambda: len(head_collector.spans) == 1)
+    wait_until(lambda: len(head_collector.spans) == 1, EXPORT_WAIT_S)
     telemetry.shutdown(timeout_s=2.0)
     assert head_collector.authorizations == [f"Bearer {HEAD_TOKEN}"]
 
@@ -183,12 +194,12 @@ def test_with_no_watchdog_beside_it_the_head_alone_gets_the_spans(
     [({}, socket.gethostname()), ({"OMNI_WATCHDOG_HOST": " node-b "}, "node-b")],
 )
 def test_every_process_names_its_host(
-    collector: Collector, wait_until: WaitUntil, environ: dict[str, str], expected: str
+    collector: Collector, environ: dict[str, str], expected: str
 ) -> None:
     telemetry = StageTelemetry.from_environment(
         process_kind="api", environ={"OMNI_WATCHDOG_OTLP_ENDPOINT": collector.url, **environ}
     )
     telemetry.heartbeat()
-    assert wait_until(lambda: len(collector.spans) == 1)
+    wait_until(lambda: len(collector.spans) == 1, EXPORT_WAIT_S)
     telemetry.shutdown(timeout_s=2.0)
     assert collector.spans[0].resource[HOST_NAME] == expected

@@ -6,13 +6,13 @@ import asyncio
 import queue
 import sys
 import threading
-import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pytest
+from deadline import wait_until
 
 from omni_watchdog.instrument import diffusion, hooks, plugin
 from omni_watchdog.instrument.hooks import HookContext, ProcessIdentity, pipeline_stages
@@ -179,11 +179,7 @@ def test_engine_loop_beats_while_idle_and_still_gets_its_work(
 
     loop_thread.start()
     try:
-        deadline = 200
-        while not advance_and_count() and deadline:
-            deadline -= 1
-            threading.Event().wait(0.02)
-        assert telemetry.heartbeats >= 4
+        wait_until(advance_and_count, 4.0, "four heartbeats", 0.02)
     finally:
         engine.input_queue.put("work")
         loop_thread.join(5)
@@ -745,9 +741,7 @@ def test_the_telling_thread_tells_a_step_of_a_real_denoising_loop() -> None:
     progress = diffusion.DenoisingProgress(cast(StageTelemetry, telemetry), context)
     progress.begin([("img-1", 50)])
     progress.count_step()
-    deadline = time.monotonic() + 10.0
-    while not telemetry.steps and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: telemetry.steps, 10.0, "a step told", 0.01)
     progress.end(None)
     assert telemetry.steps[:1] == [("img-1", 1, 50, None)]
 
@@ -784,10 +778,11 @@ def test_the_diffusion_engine_loop_beats_from_its_own_thread_only(
         for _ in range(3):
             beats = telemetry.heartbeats
             fx.clock.now += 1.0
-            deadline = 200
-            while telemetry.heartbeats == beats and deadline:
-                deadline -= 1
-                threading.Event().wait(0.01)
+
+            def beat(beats: int = beats) -> bool:
+                return telemetry.heartbeats != beats
+
+            wait_until(beat, 2.0, "a heartbeat", 0.01)
             assert telemetry.heartbeats == beats + 1
         # Once the loop runs, another thread's pass or wait beats nothing.
         fx.clock.now += 1.0

@@ -6,10 +6,11 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from deadline import wait_until
 from instrument.kept_spans import BlockedExporter, KeptSpans
 
 from omni_watchdog import process_start
@@ -41,7 +42,8 @@ from omni_watchdog.types import Stage
 
 STATUS_ERROR = 2
 Collector = Any
-WaitUntil = Callable[..., bool]
+# How long an export to a collector on this machine may take.
+EXPORT_WAIT_S = 5.0
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def stage_telemetry(collector: Collector) -> Iterator[StageTelemetry]:
 
 
 def test_spans_arrive_with_names_attributes_and_resource(
-    collector: Collector, stage_telemetry: StageTelemetry, wait_until: WaitUntil
+    collector: Collector, stage_telemetry: StageTelemetry
 ) -> None:
     stage_telemetry.request_admitted("req-1", [0, 1, 2])
     with stage_telemetry.stage_request("req-1"):
@@ -66,7 +68,7 @@ def test_spans_arrive_with_names_attributes_and_resource(
     stage_telemetry.record_stage_request("req-2", 1_000, 2_000)
     stage_telemetry.request_abandoned("req-3")
     stage_telemetry.request_finished("req-4")
-    assert wait_until(lambda: len(collector.spans) == 5)
+    wait_until(lambda: len(collector.spans) == 5, EXPORT_WAIT_S)
     [admitted] = collector.named(REQUEST_ADMITTED_SPAN)
     assert admitted.attributes[REQUEST_ID] == "req-1"
     assert admitted.attributes[REQUEST_STAGE_PATH] == [0, 1, 2]
@@ -92,9 +94,7 @@ def test_spans_arrive_with_names_attributes_and_resource(
     assert resource[HOST_BOOT_ID] == process_start.boot_id() != ""
 
 
-def test_service_name_comes_from_otel_service_name(
-    collector: Collector, wait_until: WaitUntil
-) -> None:
+def test_service_name_comes_from_otel_service_name(collector: Collector) -> None:
     telemetry = StageTelemetry.from_environment(
         process_kind="api",
         environ={
@@ -103,21 +103,21 @@ def test_service_name_comes_from_otel_service_name(
         },
     )
     telemetry.heartbeat()
-    assert wait_until(lambda: len(collector.spans) == 1)
+    wait_until(lambda: len(collector.spans) == 1, EXPORT_WAIT_S)
     assert collector.spans[0].resource[SERVICE_NAME] == "omni-api"
     assert STAGE_ID not in collector.spans[0].attributes
     telemetry.shutdown()
 
 
 def test_failure_marks_the_span_and_reraises_unchanged(
-    collector: Collector, stage_telemetry: StageTelemetry, wait_until: WaitUntil
+    collector: Collector, stage_telemetry: StageTelemetry
 ) -> None:
     failure = ValueError("engine dead")
     with pytest.raises(ValueError) as raised, stage_telemetry.stage_request("req-9"):
         raise failure
     assert raised.value is failure
     stage_telemetry.record_stage_request("req-10", 1, 2, error="stage 1 failed")
-    assert wait_until(lambda: len(collector.spans) == 2)
+    wait_until(lambda: len(collector.spans) == 2, EXPORT_WAIT_S)
     wrapped, recorded = collector.named(STAGE_REQUEST_SPAN)
     assert wrapped.status_code == STATUS_ERROR
     assert "engine dead" in wrapped.status_message
@@ -128,21 +128,19 @@ def test_failure_marks_the_span_and_reraises_unchanged(
     assert recorded.events[0][1][EXCEPTION_MESSAGE] == "stage 1 failed"
 
 
-def test_first_heartbeat_arrives_within_a_second_and_a_half(
-    collector: Collector, wait_until: WaitUntil
-) -> None:
+def test_first_heartbeat_arrives_within_a_second_and_a_half(collector: Collector) -> None:
     telemetry = StageTelemetry.from_environment(
         process_kind="engine", stage_id=0, environ={"OMNI_WATCHDOG_OTLP_ENDPOINT": collector.url}
     )
     started = time.monotonic()
     telemetry.heartbeat()
-    assert wait_until(lambda: bool(collector.named(HEARTBEAT_SPAN)), timeout=1.5)
+    wait_until(lambda: bool(collector.named(HEARTBEAT_SPAN)), 1.5)
     assert time.monotonic() - started < 1.5
     telemetry.shutdown()
 
 
 def test_heartbeats_stop_while_the_loop_is_blocked_and_resume_after(
-    collector: Collector, stage_telemetry: StageTelemetry, wait_until: WaitUntil
+    collector: Collector, stage_telemetry: StageTelemetry
 ) -> None:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -159,15 +157,15 @@ def test_heartbeats_stop_while_the_loop_is_blocked_and_resume_after(
 
     try:
         asyncio.run_coroutine_threadsafe(stage_telemetry.heartbeat_loop(0.05), loop)
-        assert wait_until(lambda: len(collector.named(HEARTBEAT_SPAN)) >= 3)
+        wait_until(lambda: len(collector.named(HEARTBEAT_SPAN)) >= 3, EXPORT_WAIT_S)
         loop.call_soon_threadsafe(block_the_loop)
-        assert wait_until(lambda: bool(blocked_at))
+        wait_until(lambda: bool(blocked_at), EXPORT_WAIT_S)
         # Long enough for several beats and exports, had the loop been free.
         time.sleep(0.6)
         assert beats_after(blocked_at[0]) == 0
         released_at = time.time_ns()
         release.set()
-        assert wait_until(lambda: beats_after(released_at) >= 2)
+        wait_until(lambda: beats_after(released_at) >= 2, EXPORT_WAIT_S)
     finally:
         release.set()
         for task in asyncio.all_tasks(loop):
@@ -177,9 +175,7 @@ def test_heartbeats_stop_while_the_loop_is_blocked_and_resume_after(
         loop.close()
 
 
-def test_collector_down_costs_counted_drops_not_time(
-    unused_port: int, wait_until: WaitUntil
-) -> None:
+def test_collector_down_costs_counted_drops_not_time(unused_port: int) -> None:
     telemetry = StageTelemetry.from_environment(
         process_kind="stage",
         stage_id=0,
@@ -191,7 +187,7 @@ def test_collector_down_costs_counted_drops_not_time(
         with telemetry.stage_request(f"req-{index}"):
             pass
     assert time.monotonic() - started < 0.5
-    assert wait_until(lambda: telemetry.dropped_spans == 400)
+    wait_until(lambda: telemetry.dropped_spans == 400, EXPORT_WAIT_S)
     started = time.monotonic()
     telemetry.shutdown(timeout_s=1.0)
     telemetry.shutdown(timeout_s=1.0)

@@ -26,9 +26,8 @@ from omni_watchdog.policy.capture import (
     ptrace_in_bounding_set,
 )
 from omni_watchdog.policy.incidents import BundleWriter, StateWriteErrors
-from omni_watchdog.policy.ladder import TargetSnapshot
 from omni_watchdog.semconv import GEN_AI_USAGE_PROMPT_TOKENS
-from omni_watchdog.types import Incident, Mode, ProcessRole, StepOutcome, StepResult
+from omni_watchdog.types import Incident, Mode, ProcessRole, StepOutcome, StepResult, TargetSnapshot
 
 ALL_CAPABILITIES = "000001ffffffffff"
 DOCKER_DEFAULT = "00000000a80425fb"  # no CAP_SYS_PTRACE (bit 19)

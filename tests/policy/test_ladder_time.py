@@ -16,11 +16,10 @@ import aiohttp
 import psutil
 import pytest
 from aiohttp import web
+from deadline import wait_for
 from fakes import FakePsutil
 from policy.test_policy import TERM, Rig, report, the_0_11_tree
 
-from omni_watchdog.demo import wait_for
-from omni_watchdog.policy.ladder import TargetSnapshot
 from omni_watchdog.types import (
     Incident,
     IncidentOutcome,
@@ -28,6 +27,7 @@ from omni_watchdog.types import (
     StepName,
     StepOutcome,
     StepResult,
+    TargetSnapshot,
 )
 
 # Real seconds a side waits for the other before it gives up: reached only when the two

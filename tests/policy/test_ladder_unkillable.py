@@ -18,7 +18,6 @@ from omni_watchdog.policy.inspect import ProcessCondition, read_condition
 from omni_watchdog.policy.ladder import (
     UNKILLABLE_REPORT,
     LadderRunner,
-    TargetSnapshot,
     ladder_from_config,
 )
 from omni_watchdog.types import (
@@ -32,6 +31,7 @@ from omni_watchdog.types import (
     StepName,
     StepOutcome,
     StepResult,
+    TargetSnapshot,
 )
 
 OWN_PID, OWN_PGID = 999, 999

@@ -18,7 +18,6 @@ from policy.test_policy import KILL, TERM, VERDICT, Rig, report, the_0_11_tree
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.policy.core import ActionRefused, Policy
 from omni_watchdog.policy.incidents import IncidentJournal, StateWriteErrors
-from omni_watchdog.policy.ladder import TargetSnapshot
 from omni_watchdog.policy.maintenance import MaintenanceWindow
 from omni_watchdog.types import (
     DetectorReport,
@@ -34,6 +33,7 @@ from omni_watchdog.types import (
     StepName,
     StepOutcome,
     StepResult,
+    TargetSnapshot,
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import json
 import os
 import signal
 from collections.abc import Callable, Sequence
@@ -24,7 +25,6 @@ from omni_watchdog.policy.incidents import (
     BundleWriter,
     HourlyBudget,
     IncidentJournal,
-    JournalEntry,
     StateWriteErrors,
     TargetLock,
     append_private,
@@ -33,7 +33,6 @@ from omni_watchdog.policy.incidents import (
 from omni_watchdog.policy.inspect import read_condition
 from omni_watchdog.policy.ladder import (
     LadderRunner,
-    TargetSnapshot,
     gpu_baseline,
     ladder_from_config,
 )
@@ -50,6 +49,7 @@ from omni_watchdog.types import (
     HealthOutcome,
     Incident,
     IncidentOutcome,
+    JournalEntry,
     LockStatus,
     Mode,
     Observation,
@@ -63,6 +63,7 @@ from omni_watchdog.types import (
     StepName,
     StepOutcome,
     StepResult,
+    TargetSnapshot,
     Verdict,
 )
 
@@ -708,6 +709,48 @@ def test_observe_mode_records_without_acting(tmp_path: Path, fake_psutil: FakePs
     incident = run_incident(rig)
     assert incident is not None and incident.outcome is IncidentOutcome.OBSERVED
     assert fake_psutil.signals == [] and rig.captures == 1
+
+
+def test_an_incident_records_the_monotonic_clock_beside_the_wall_clock_as_it_opens(
+    tmp_path: Path, fake_psutil: FakePsutil
+) -> None:
+    """Verdict and evidence times are monotonic: with the reading taken at the opening in
+    its journal line and its bundle, the report places them without guessing the clock."""
+    rig = Rig(tmp_path, fake_psutil, Mode.OBSERVE)
+    the_0_11_tree(rig)
+    rig.clock.advance(2.5)  # the verdict (at 1000.0) came 2.5 s before the incident opened
+    incident = run_incident(rig)
+    assert incident is not None
+    assert incident.opened_monotonic == 1002.5
+    assert incident.opened == rig.clock.wall() - (rig.clock.monotonic() - 1002.5)
+    assert incident.timeline["verdict"] == incident.opened - 2.5
+    assert incident.timeline["first_evidence"] == incident.opened - 3.5
+    (entry,) = IncidentJournal(tmp_path / "journal.jsonl", StateWriteErrors()).replay()
+    assert entry.incident.opened_monotonic == 1002.5
+    bundle = tmp_path / "incidents" / incident.incident_id / "incident.json"
+    assert json.loads(bundle.read_text())["opened_monotonic"] == 1002.5
+
+
+def test_an_incident_journaled_without_the_monotonic_reading_replays_without_one(
+    tmp_path: Path,
+) -> None:
+    """A line an older watchdog wrote: resumed as it was, its verdict times left unplaced."""
+    line = {
+        "incident": {
+            "incident_id": "20260101T000000Z-abcdef",
+            "target": "http://127.0.0.1:8000",
+            "mode": "enforce",
+            "opened": 1_700_001_000.0,
+            "cause": "stage 1.0 dead",
+        },
+        "root": [100, 100.0],
+        "processes": [],
+        "pgids": [100],
+    }
+    (tmp_path / "journal.jsonl").write_text(json.dumps(line) + "\n")
+    (entry,) = IncidentJournal(tmp_path / "journal.jsonl", StateWriteErrors()).replay()
+    assert entry.incident.opened_monotonic is None
+    assert entry.incident.outcome is IncidentOutcome.OPEN
 
 
 @pytest.mark.parametrize("mode", [Mode.OBSERVE, Mode.DRY_RUN])

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from deadline import wait_for, wait_until
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.detector.causes import COMPARED_SPAN, process_cause
@@ -68,24 +69,41 @@ def reading(pid: int) -> ProcessActivity:
 def read_until_child_ran(pid: int, first: ProcessActivity, seconds: float) -> ProcessActivity:
     """Readings until some descendant has run `seconds` more than at `first`."""
     before = {c.pid: c.cpu_seconds for c in first.children}
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
+
+    def ran() -> ProcessActivity | None:
         later = reading(pid)
-        if any(c.cpu_seconds - before.get(c.pid, 0.0) >= seconds for c in later.children):
-            return later
-        time.sleep(0.05)
-    raise AssertionError(f"no descendant of {pid} ran {seconds}s in {DEADLINE_S}s")
+        worked = any(c.cpu_seconds - before.get(c.pid, 0.0) >= seconds for c in later.children)
+        return later if worked else None
+
+    return wait_until(ran, DEADLINE_S, f"a descendant of {pid} running {seconds}s", 0.05)
+
+
+def reading_with_children(pid: int) -> ProcessActivity:
+    """The first reading of `pid` that shows a child of it."""
+
+    def with_children() -> ProcessActivity | None:
+        activity = reading(pid)
+        return activity if activity.children else None
+
+    return wait_until(with_children, DEADLINE_S, f"a child of {pid} started", 0)
+
+
+def reading_in_state(pid: int, state: str, of_child: bool = False) -> ProcessActivity:
+    """The first reading of `pid` whose main thread, or first child, is in `state`."""
+
+    def in_state() -> ProcessActivity | None:
+        activity = reading(pid)
+        now = activity.children[0].state if of_child else activity.threads[0].state
+        return activity if now == state else None
+
+    return wait_until(in_state, DEADLINE_S, f"{pid} in state {state}", 0)
 
 
 def test_a_parent_waiting_on_a_busy_child_is_waiting_on_work(
     started: list[subprocess.Popen[bytes]],
 ) -> None:
     pid = start(started, PARENT_OF_A_BUSY_CHILD)
-    deadline = time.monotonic() + DEADLINE_S
-    first = reading(pid)
-    while not first.children and time.monotonic() < deadline:
-        first = reading(pid)
-    assert first.children, "the child never started"
+    first = reading_with_children(pid)
     later = read_until_child_ran(pid, first, 0.3)
     finding = process_cause(first, later)
     assert finding.cause is SilenceCause.WAITING_ON_CHILD and finding.working, finding
@@ -110,22 +128,20 @@ def test_a_child_whose_own_child_worked_and_ended_between_readings_advanced(
         started,
         f"import subprocess, sys; subprocess.run([sys.executable, '-c', {DRIVER_OF_ONE_PASS!r}])",
     )
-    deadline = time.monotonic() + DEADLINE_S
-    first = reading(pid)
-    while not first.children and time.monotonic() < deadline:
-        first = reading(pid)
-    assert first.children, "the driver never started"
+    first = reading_with_children(pid)
     driver = first.children[0].pid
     # Until the pass has come and gone, and the readings span enough to judge.
     pass_seen = len(first.children) > 1
-    later = reading(pid)
-    while time.monotonic() < deadline and not (
-        pass_seen and len(later.children) == 1 and later.time - first.time >= COMPARED_SPAN
-    ):
-        time.sleep(0.05)
+
+    def pass_ended() -> ProcessActivity | None:
+        nonlocal pass_seen
         later = reading(pid)
         pass_seen = pass_seen or len(later.children) > 1
-    assert pass_seen and [c.pid for c in later.children] == [driver], later.children
+        judged = len(later.children) == 1 and later.time - first.time >= COMPARED_SPAN
+        return later if pass_seen and judged else None
+
+    later = wait_until(pass_ended, DEADLINE_S, "the driver's pass come and gone", 0.05)
+    assert [c.pid for c in later.children] == [driver], later.children
     finding = process_cause(first, later)
     assert finding.cause is SilenceCause.WAITING_ON_CHILD and finding.working, finding
     assert f"pid {driver}" in finding.detail, finding
@@ -135,18 +151,17 @@ def test_a_parent_waiting_on_a_stopped_child_waits_on_work_stopped(
     started: list[subprocess.Popen[bytes]],
 ) -> None:
     pid = start(started, PARENT_OF_A_BUSY_CHILD)
-    deadline = time.monotonic() + DEADLINE_S
-    first = reading(pid)
-    while not first.children and time.monotonic() < deadline:
-        first = reading(pid)
+    first = reading_with_children(pid)
     # Stopped before it has exec'd, the child would hold its parent in vfork's wait.
-    while reading(pid).threads[0].wait_channel != "do_wait" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(
+        lambda: reading(pid).threads[0].wait_channel == "do_wait",
+        DEADLINE_S,
+        "the parent waiting on its child",
+        0.05,
+    )
     child = first.children[0].pid
     os.kill(child, signal.SIGSTOP)
-    stopped = reading(pid)
-    while stopped.children[0].state != "T" and time.monotonic() < deadline:
-        stopped = reading(pid)
+    stopped = reading_in_state(pid, "T", of_child=True)
     # Readings a moment apart, the child stopped through both.
     later = reading(pid)
     while later.time - stopped.time < 0.2:
@@ -159,10 +174,7 @@ def test_a_parent_waiting_on_a_stopped_child_waits_on_work_stopped(
 def test_a_stopped_process_is_stopped(started: list[subprocess.Popen[bytes]]) -> None:
     pid = start(started, SPINNER)
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + DEADLINE_S
-    first = reading(pid)
-    while first.threads[0].state != "T" and time.monotonic() < deadline:
-        first = reading(pid)
+    first = reading_in_state(pid, "T")
     later = reading(pid)
     while later.time - first.time < 0.1:
         later = reading(pid)
@@ -189,24 +201,29 @@ def test_py_spy_sees_a_spinning_thread_in_its_frame(
         )
         return completed.returncode, completed.stdout + completed.stderr
 
-    async def frames_of_main() -> list[tuple[str, ...]]:
-        """Samples of the main thread until one shows it spinning (it starts by importing)."""
-        seen: list[tuple[str, ...]] = []
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline:
-            try:
-                stacks = await sample_stacks(py_spy, pid, 10.0, run)
-            except StackError as error:
-                # A sample taken without pausing the process may be torn, as the probe
-                # knows: it has no stacks then and samples again later.
-                seen.append((f"failed: {error}",))
-                continue
-            seen.append(stacks[pid].frames if pid in stacks else ())
-            if seen[-1] and seen[-1][0].startswith("spin_here ("):
-                return seen
-        raise AssertionError(f"py-spy never showed the main thread spinning: {seen[-3:]}")
+    seen: list[tuple[str, ...]] = []
 
-    frames = asyncio.run(frames_of_main())[-1]
+    async def spinning() -> tuple[str, ...] | None:
+        """A sample of the main thread that shows it spinning (it starts by importing)."""
+        try:
+            stacks = await sample_stacks(py_spy, pid, 10.0, run)
+        except StackError as error:
+            # A sample taken without pausing the process may be torn, as the probe
+            # knows: it has no stacks then and samples again later.
+            seen.append((f"failed: {error}",))
+            return None
+        seen.append(stacks[pid].frames if pid in stacks else ())
+        return seen[-1] if seen[-1] and seen[-1][0].startswith("spin_here (") else None
+
+    frames = asyncio.run(
+        wait_for(
+            spinning,
+            DEADLINE_S,
+            "py-spy showing the main thread spinning",
+            0,
+            seen=lambda: seen[-3:],
+        )
+    )
     assert frames[0] == "spin_here (<string>:2)", frames
 
 

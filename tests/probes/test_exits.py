@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from deadline import wait_for
 
 from omni_watchdog.probes import exits
 from omni_watchdog.probes.exits import ExitNotices
@@ -92,9 +93,7 @@ def test_an_exit_between_rests_ends_the_next_rest_at_once_unless_a_scan_saw_it(
         watch.watch([identity(10)])
         pipes.exit(10)
         # The loop reads the pidfd while no rest is running.
-        deadline = asyncio.get_running_loop().time() + 10
-        while not watch.noticed and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: watch.noticed, 10, "the exit noticed", 0.01)
         if scanned_since:
             watch.scanning()
         done, _ = await asyncio.wait({asyncio.create_task(watch.rest(60))}, timeout=0.5)

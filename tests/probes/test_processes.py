@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from deadline import wait_for, wait_until
 from fakes import SERVER_PORT, FakePsutil
 from ports import free_port
 
@@ -544,20 +545,15 @@ def until(
 ) -> None:
     """Collect until the predicate holds, keeping every observation in `seen`."""
 
-    async def poll() -> None:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            with contextlib.suppress(ProbeError):
-                observations = await tracker.collect()
-                if seen is not None:
-                    seen.extend(observations)
-                if predicate(tracker):
-                    return
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"not reached in {timeout}s: {tracker.recorded()}")
-            await asyncio.sleep(0.05)
+    async def reached() -> bool:
+        with contextlib.suppress(ProbeError):
+            observations = await tracker.collect()
+            if seen is not None:
+                seen.extend(observations)
+            return predicate(tracker)
+        return False
 
-    asyncio.run(poll())
+    asyncio.run(wait_for(reached, timeout, "the predicate", 0.05, seen=tracker.recorded))
 
 
 def engines(tracker: ProcessTracker) -> list[ProcessInfo]:
@@ -1015,10 +1011,12 @@ def test_a_process_starved_of_its_core_waits_as_time_passes_not_only_when_it_nex
     ):
         try:
             os.sched_setaffinity(hog.pid, core)
-            deadline = time.monotonic() + 30
-            while len(os.listdir(f"/proc/{starved.pid}/task")) < 2:
-                assert time.monotonic() < deadline, "the second thread never started"
-                time.sleep(0.05)
+            wait_until(
+                lambda: len(os.listdir(f"/proc/{starved.pid}/task")) >= 2,
+                30,
+                "the second thread started",
+                0.05,
+            )
             for tid in os.listdir(f"/proc/{starved.pid}/task"):
                 os.sched_setaffinity(int(tid), core)
                 os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))

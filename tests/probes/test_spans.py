@@ -32,11 +32,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
 from otlp_bodies import key_value
+from span_evidence import evidence
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
+from omni_watchdog.probes.otlp_decode import JSON, PROTOBUF, OtlpError
 from omni_watchdog.probes.span_store import SpanStore
-from omni_watchdog.probes.spans import JSON, PROTOBUF, OtlpError, SpanReceiver
+from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.semconv import (
     GEN_AI_LATENCY_E2E,
     GEN_AI_REQUEST_ID,
@@ -195,7 +197,7 @@ def test_sdk_exporter_spans_become_observations_and_records(compression: Compres
             )
 
     assert asyncio.run(main()) == SpanExportResult.SUCCESS
-    check_plugin_spans(receiver, asyncio.run(receiver.collect()))
+    check_plugin_spans(receiver, evidence(asyncio.run(receiver.collect())))
     assert asyncio.run(receiver.collect()) == []
     assert receiver.stats.requests[200] == 1
 
@@ -224,7 +226,7 @@ def test_the_end_of_a_request_becomes_an_observation(span_name: str, kind: Obser
             )
 
     assert asyncio.run(main()) == SpanExportResult.SUCCESS
-    (observation,) = asyncio.run(receiver.collect())
+    (observation,) = evidence(asyncio.run(receiver.collect()))
     assert (observation.kind, observation.request_id) == (kind, "req-9")
 
 
@@ -271,7 +273,7 @@ def test_json_encoding_with_hex_ids(gzipped: bool) -> None:
     assert status == 200
     assert response_headers["Content-Type"].startswith(JSON)
     assert json.loads(answer) == {}
-    check_plugin_spans(receiver, asyncio.run(receiver.collect()))
+    check_plugin_spans(receiver, evidence(asyncio.run(receiver.collect())))
     assert (
         receiver.store.recent(TALKER)[3].trace_id
         == document["resourceSpans"][0]["scopeSpans"][0]["spans"][3]["traceId"]
@@ -533,7 +535,7 @@ def test_spans_with_bad_ids_are_rejected_in_a_partial_success(content_type: str)
     assert "trace id must be 16 bytes" in response.partial_success.error_message
     records = receiver.store.recent(TALKER)
     assert [r.request_id for r in records] == ["req-0", "req-7"]
-    observations = asyncio.run(receiver.collect())
+    observations = evidence(asyncio.run(receiver.collect()))
     assert [o.request_id for o in observations] == ["req-0", "req-7"]
     assert receiver.stats.spans_rejected["malformed_id"] == rejected
     assert receiver.stats.spans_accepted == 2
@@ -550,7 +552,7 @@ def test_full_queue_answers_503_with_retry_after_and_ingests_nothing() -> None:
             kept = len(receiver.store.recent(TALKER))
             answers.append(await post(url, body, JSON))
             assert len(receiver.store.recent(TALKER)) == kept
-            assert len(await receiver.collect()) == 8
+            assert len(evidence(await receiver.collect())) == 8
             answers.append(await post(url, body, PROTOBUF))
             return answers
 

@@ -12,12 +12,14 @@ import pytest
 from fakes import FakeSenders
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from span_evidence import evidence
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.instrument.telemetry import StageTelemetry
+from omni_watchdog.probes.otlp_decode import PROTOBUF
 from omni_watchdog.probes.span_store import SpanStore
-from omni_watchdog.probes.spans import PROTOBUF, SpanReceiver
+from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.types import Observation, ObservationKind, StageRef
 
 DIT = StageRef(1, 0)
@@ -41,7 +43,7 @@ def observations_of(send: list[tuple[str, int, int, float | None]]) -> list[Obse
     )
     result = receiver.ingest(body, PROTOBUF)
     assert result.rejected == 0
-    return asyncio.run(receiver.collect())
+    return evidence(asyncio.run(receiver.collect()))
 
 
 def test_a_step_span_is_a_beat_and_the_step_of_its_request() -> None:

@@ -16,8 +16,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
+from omni_watchdog.probes.otlp_decode import JSON, PROTOBUF, OtlpError
 from omni_watchdog.probes.span_store import MAX_SPAN_BYTES, SpanStore
-from omni_watchdog.probes.spans import JSON, PROTOBUF, OtlpError, SpanReceiver
+from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.semconv import (
     GEN_AI_REQUEST_ID,
     HEARTBEAT_SPAN,

@@ -11,8 +11,9 @@ from otlp_bodies import batch
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
+from omni_watchdog.probes.otlp_decode import PROTOBUF
 from omni_watchdog.probes.span_store import SpanStore
-from omni_watchdog.probes.spans import PROTOBUF, SpanReceiver
+from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.semconv import (
     HEARTBEAT_SPAN,
     HOST_BOOT_ID,

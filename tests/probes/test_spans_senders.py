@@ -15,6 +15,7 @@ import pytest
 from fakes import FakeSenders
 from listening import listening
 from otlp_bodies import batch
+from span_evidence import evidence
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
@@ -99,7 +100,7 @@ def exported(
             )
 
     assert asyncio.run(scenario()) == b"HTTP/1.1 200 OK"
-    taken = [obs.kind for obs in asyncio.run(receiver.collect())]
+    taken = [obs.kind for obs in evidence(asyncio.run(receiver.collect()))]
     return taken, {reason: n for reason, n in receiver.stats.spans_rejected.items() if n}
 
 

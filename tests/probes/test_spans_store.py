@@ -8,25 +8,28 @@ import gzip
 import importlib.util
 import json
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
 import aiohttp
 import pytest
 from aiohttp import web
+from deadline import wait_for
 from fakes import FakeSenders
 from listening import listening
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from otlp_bodies import batch, key_value
 from ports import free_port
+from span_evidence import evidence
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
-from omni_watchdog.probes.span_store import SpanStore, as_int
-from omni_watchdog.probes.spans import PROTOBUF, OtlpError, SpanForwarder, SpanReceiver, gunzip
+from omni_watchdog.probes.otlp_decode import PROTOBUF
+from omni_watchdog.probes.span_forward import SpanForwarder
+from omni_watchdog.probes.span_store import SpanStore
+from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.semconv import (
     HEARTBEAT_SPAN,
     PROCESS_PID,
@@ -84,7 +87,7 @@ def test_ring_buffer_keeps_the_last_spans_of_each_stage() -> None:
     assert [len(spans) for spans in bundle["stages"].values()] == [3, 1, 2, 3]
     assert bundle["pids"] == {"11": {"stage": "1.0", "process_kind": ""}}
     json.dumps(bundle)
-    observations = asyncio.run(receiver.collect())
+    observations = evidence(asyncio.run(receiver.collect()))
     assert [o.kind for o in observations] == [
         ObservationKind.HEARTBEAT,
         ObservationKind.STAGE_SPAN,
@@ -102,14 +105,6 @@ def test_ring_buffer_keeps_the_last_spans_of_each_stage() -> None:
 def test_ring_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="ring_size"):
         SpanStore(0)
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 class Upstream:
@@ -184,7 +179,7 @@ def test_forwarding_reaches_the_upstream_as_received() -> None:
                 await post(url, gzipped, {"Content-Type": PROTOBUF, "Content-Encoding": "gzip"}),
                 await post(url, b"junk", {"Content-Type": PROTOBUF}),
             ]
-            await wait_until(lambda: receiver.stats.forwarded == 2)
+            await wait_for(lambda: receiver.stats.forwarded == 2, 5.0, interval=0.01)
             return statuses, receiver.stats.forward_dropped
 
     statuses, dropped = asyncio.run(main())
@@ -198,7 +193,7 @@ def test_upstream_down_drops_and_counts_without_failing_ingestion() -> None:
         url_down = f"http://127.0.0.1:{free_port()}/v1/traces"
         async with forwarding_receiver(url_down) as (receiver, _, url):
             statuses = [await post(url, BODY, {"Content-Type": PROTOBUF}) for _ in range(3)]
-            await wait_until(lambda: receiver.stats.forward_dropped == 3)
+            await wait_for(lambda: receiver.stats.forward_dropped == 3, 5.0, interval=0.01)
             return statuses, receiver.stats.forwarded
 
     statuses, forwarded = asyncio.run(main())
@@ -248,14 +243,6 @@ def test_results_rewrites_one_section_and_keeps_the_others(tmp_path: Path) -> No
     assert text.index("## OTLP ingest") < text.index("## Render")
 
 
-def test_gunzip_joins_members_and_refuses_empty_or_oversized_streams() -> None:
-    assert gunzip(gzip.compress(b"abc") + gzip.compress(b"def"), limit=6) == b"abcdef"
-    for data, limit, status in ((b"", 10, 400), (gzip.compress(b"x" * 11), 10, 413)):
-        with pytest.raises(OtlpError) as refused:
-            gunzip(data, limit)
-        assert refused.value.status == status
-
-
 def test_status_message_is_the_error_detail_and_bad_paths_are_empty() -> None:
     request = ExportTraceServiceRequest()
     spans = request.resource_spans.add().scope_spans.add().spans
@@ -274,25 +261,3 @@ def test_status_message_is_the_error_detail_and_bad_paths_are_empty() -> None:
     assert (admission.request_id, admission.path, admission.stage) == ("r", (), None)
     (record,) = receiver.store.recent(StageRef(1, 0))
     assert (record.status, record.status_message) == ("error", "stage 1 timed out")
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        (3, 3),
-        ("3", 3),
-        (" -2 ", -2),
-        (4.0, 4),
-        ("¹", None),  # a superscript: str.isdigit() says yes, int() says no
-        ("٣", None),  # an Arabic-Indic digit
-        ("1" * 20, None),
-        ("", None),
-        ("-", None),
-        (True, None),
-        (4.5, None),
-        (float("nan"), None),
-        ([1], None),
-    ],
-)
-def test_as_int_takes_only_plain_integers(value: object, expected: int | None) -> None:
-    assert as_int(value) == expected

@@ -10,23 +10,27 @@ from typing import Any
 
 import aiohttp
 import pytest
+from deadline import wait_for
 from fakes import FakeSenders
 from google.protobuf import json_format
 from listening import listening
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from otlp_bodies import batch
+from span_evidence import evidence
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import SpansConfig
-from omni_watchdog.demo import wait_for
-from omni_watchdog.probes import spans as spans_module
+from omni_watchdog.probes import span_trust
+from omni_watchdog.probes.otlp_decode import JSON, PROTOBUF, StageRefs
 from omni_watchdog.probes.span_store import MAX_SPAN_BYTES, SpanStore
-from omni_watchdog.probes.spans import (
-    JSON,
-    PROTOBUF,
+from omni_watchdog.probes.span_trust import (
     UNKNOWN_STAGE_GRACE_SECONDS,
-    SpanReceiver,
+    HeldSpans,
+    SenderTrust,
+    Trust,
+    Verdict,
 )
+from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.semconv import (
     GEN_AI_REQUEST_ID,
     HEARTBEAT_SPAN,
@@ -79,7 +83,7 @@ def receiver_for(
 
 
 def taken(receiver: SpanReceiver) -> list[ObservationKind]:
-    return [obs.kind for obs in asyncio.run(receiver.collect())]
+    return [obs.kind for obs in evidence(asyncio.run(receiver.collect()))]
 
 
 def refused(receiver: SpanReceiver) -> dict[str, int]:
@@ -266,7 +270,7 @@ def test_a_stage_never_known_is_refused_after_its_grace_and_never_kept() -> None
 def test_spans_of_unknown_stages_wait_only_within_the_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(spans_module, "MAX_WAITING_SPANS", 3)
+    monkeypatch.setattr(span_trust, "MAX_WAITING_SPANS", 3)
     clock = FakeClock()
     receiver = receiver_for(FakeSenders(owned={(40, 900)}, stages={S0}, mapped={S0}), clock)
     for _ in range(2):
@@ -287,16 +291,27 @@ def test_what_waits_for_its_stage_is_bounded_in_bytes() -> None:
     receiver = receiver_for(senders, clock)
     huge = {REQUEST_ID: "r1", "prompt": "x" * 1_000_000}
     receiver.ingest(batch({**STAGE_PROCESS, **STAGE_ONE}, [(STAGE_REQUEST_SPAN, huge)]), PROTOBUF)
-    (held,) = receiver._unplaced
-    assert held.request.ByteSize() <= MAX_SPAN_BYTES * 2
     bloated = {**STAGE_PROCESS, **STAGE_ONE, "notes": "y" * 100_000}
     receiver.ingest(batch(bloated, [HEARTBEAT]), PROTOBUF)
     assert refused(receiver) == {"unknown_stage": 1}
     senders.stages = {S0, S1}
-    (observation,) = asyncio.run(receiver.collect())
+    (observation,) = evidence(asyncio.run(receiver.collect()))
     assert observation.kind is ObservationKind.STAGE_SPAN and observation.request_id == "r1"
     (record,) = receiver.store.recent(S1)
     assert record.request_id == "r1"
+
+
+def test_a_span_held_for_its_stage_is_held_cut_as_the_store_keeps_it() -> None:
+    held = HeldSpans(dict.fromkeys(("unknown_sender", "unknown_stage"), 0), sender_grace=2.0)
+    huge = {REQUEST_ID: "r1", "prompt": "x" * 1_000_000}
+    body = batch({**STAGE_PROCESS, **STAGE_ONE}, [(STAGE_REQUEST_SPAN, huge)])
+    (resource_spans,) = ExportTraceServiceRequest.FromString(body).resource_spans
+    resource = StageRefs().resource(resource_spans)
+    held.hold_unplaced(
+        0.0, resource_spans, resource, list(resource_spans.scope_spans[0].spans), {S1}
+    )
+    (unplaced,) = held.unplaced
+    assert unplaced.request.ByteSize() <= MAX_SPAN_BYTES * 2
 
 
 def test_a_huge_attribute_is_cut_before_it_is_kept() -> None:
@@ -541,3 +556,42 @@ def test_a_report_in_json_is_read_the_same() -> None:
     span["spanId"] = bytes(request.resource_spans[0].scope_spans[0].spans[0].span_id).hex()
     receiver.ingest(json.dumps(document).encode(), JSON)
     assert [s.replicas for s in reported(receiver)[0].stages] == [1, 2, 1]
+
+
+def judged(resource: Mapping[str, object], remote_stages: frozenset[int] = frozenset()) -> Trust:
+    trust = SenderTrust(TREE, FakeClock(), boot_id=BOOT, remote_stages=remote_stages)
+    (resource_spans,) = ExportTraceServiceRequest.FromString(batch(resource, [])).resource_spans
+    return trust.judge(StageRefs().resource(resource_spans))
+
+
+def test_a_resource_is_judged_by_what_it_names() -> None:
+    assert judged({**STAGE_PROCESS, **STAGE_ONE}) is Trust.TARGET
+    assert judged({**STAGE_PROCESS, PROCESS_START_TICKS: 901}) is Trust.UNRECORDED
+    assert judged({PROCESS_PID: 40}) is Trust.ANONYMOUS
+    assert judged({**STAGE_PROCESS, HOST_BOOT_ID: "another-boot"}) is Trust.FOREIGN
+    assert judged({**STAGE_PROCESS, STAGE_ID: 2}, frozenset({2})) is Trust.REMOTE
+
+
+@pytest.mark.parametrize(
+    ("trust", "stage", "name", "may_hold", "verdict"),
+    [
+        (Trust.TARGET, S1, HEARTBEAT_SPAN, True, Verdict.TAKEN),
+        (Trust.TARGET, None, REQUEST_ADMITTED_SPAN, True, Verdict.TAKEN),
+        (Trust.TARGET, StageRef(7), HEARTBEAT_SPAN, True, Verdict.HELD),
+        (Trust.TARGET, StageRef(7), HEARTBEAT_SPAN, False, Verdict.UNKNOWN_STAGE),
+        (Trust.ANONYMOUS, StageRef(7), VLLM_REQUEST_SPAN, True, Verdict.UNKNOWN_STAGE),
+        (Trust.ANONYMOUS, S1, VLLM_REQUEST_SPAN, True, Verdict.TAKEN),
+        (Trust.ANONYMOUS, S1, HEARTBEAT_SPAN, True, Verdict.UNKNOWN_SENDER),
+        (Trust.ANONYMOUS, None, VLLM_REQUEST_SPAN, True, Verdict.TAKEN),
+        (Trust.ANONYMOUS, None, REQUEST_ADMITTED_SPAN, True, Verdict.UNKNOWN_SENDER),
+        (Trust.REMOTE, StageRef(2), HEARTBEAT_SPAN, True, Verdict.TAKEN),
+        (Trust.REMOTE, S1, HEARTBEAT_SPAN, True, Verdict.UNKNOWN_SENDER),
+        (Trust.REMOTE, None, REQUEST_ADMITTED_SPAN, True, Verdict.UNKNOWN_SENDER),
+    ],
+)
+def test_the_verdict_on_each_span(
+    trust: Trust, stage: StageRef | None, name: str, may_hold: bool, verdict: Verdict
+) -> None:
+    senders = FakeSenders(owned={(40, 900)}, stages={S0, S1, StageRef(2)}, mapped={S0, S1})
+    verdicts = SenderTrust(senders, FakeClock(), remote_stages=frozenset({2})).verdicts()
+    assert verdicts.of(trust, stage, name, may_hold) is verdict

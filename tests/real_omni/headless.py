@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import psutil
-import pytest
+from deadline import wait_for
 from ports import free_port
 from real_omni.server import (
     DEPLOY_FILE,
@@ -139,9 +138,17 @@ class Deployment:
     async def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Until the head's /health answers 200; fails at once, with the log, if the head
         or a headless stage exits."""
-        deadline = time.monotonic() + timeout
+
+        def logs() -> str:
+            tails = "\n".join(
+                f"-- stage {stage.stage_id}:\n{stage.log_tail(1500)}"
+                for stage in self.stages.values()
+            )
+            return f"\n{self.head.log_tail()}\n{tails}"
+
         async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
+
+            async def healthy() -> bool:
                 if self.head.process.poll() is not None:
                     self.head.exited("the head")
                 for stage in self.stages.values():
@@ -154,12 +161,10 @@ class Deployment:
                     ) as response:
                         if response.status == 200:
                             self.head.tree()
-                            return
-                await asyncio.sleep(0.5)
-        tails = "\n".join(
-            f"-- stage {stage.stage_id}:\n{stage.log_tail(1500)}" for stage in self.stages.values()
-        )
-        pytest.fail(f"the head not ready in {timeout:g}s:\n{self.head.log_tail()}\n{tails}")
+                            return True
+                return False
+
+            await wait_for(healthy, timeout, "the head's /health answering 200", 0.5, seen=logs)
 
     def stop(self) -> None:
         for stage in self.started:

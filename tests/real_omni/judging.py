@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -36,14 +34,6 @@ def verdict_on(incident: Any, stage: StageRef) -> Any:
 
 def step_of(incident: Any, name: StepName) -> Any:
     return next((s for s in incident.steps if s.step is name), None)
-
-
-async def wait_for_async(probe: Callable[[], Any], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not await probe():
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"condition not met within {timeout:g}s")
-        await asyncio.sleep(0.25)
 
 
 def shipped() -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
+from deadline import wait_for
 from e2e.harness import (
     OPERATOR_TOKEN,
     described,
@@ -46,7 +47,6 @@ from real_vllm.client import (
 from real_vllm.server import VllmServer
 
 from omni_watchdog.config import load_config
-from omni_watchdog.demo import wait_for
 from omni_watchdog.semconv import HEARTBEAT_SPAN
 from omni_watchdog.types import (
     IncidentOutcome,

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from deadline import wait_for
 from e2e.harness import RECOVERED, incident_done, steps_of
-from real_omni.judging import in_background, step_of, verdict_on, wait_for_async
+from real_omni.judging import in_background, step_of, verdict_on
 from real_omni.server import OmniServer, engine_of, watched
 from real_vllm.client import (
+    ASK_EVERY,
     evidence_kinds,
     gone,
     health_status,
@@ -83,7 +85,7 @@ def test_killed_stage_engine_is_dead_and_the_server_left_at_503_is_ended(
 
             # vLLM-Omni evicts the replica and stays up at 503 for good: nothing ends it
             # but the watchdog.
-            await wait_for_async(unhealthy, 30)
+            await wait_for(unhealthy, 30, "/health answering 503", ASK_EVERY)
             incident = await incident_done(watchdog, 90)
             verdict = verdict_on(incident, talker)
             assert verdict is not None and verdict.state is StageState.DEAD, incident

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import explain
 import pytest
+from deadline import wait_for
 from e2e.forgery import forge, traces_url
 from e2e.harness import RECOVERED, all_healthy, incident_done, state, steps_of
 from real_omni.judging import shipped, verdict_on
@@ -41,7 +42,6 @@ from real_omni.server import (
 from real_vllm.client import gone, health_status
 from real_vllm.server import Shared, VllmServer, start_ready
 
-from omni_watchdog.demo import wait_for
 from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.semconv import PROCESS_PID
 from omni_watchdog.types import ProcessRole, StageRef, StageState

@@ -23,18 +23,17 @@ import aiohttp
 import explain
 import psutil
 import pytest
+from deadline import wait_for
 from e2e.harness import RECOVERED, incident_done
 from ports import free_port
 from real_omni.headless import READY_TIMEOUT, Deployment, HeadlessStage, start_deployment
-from real_omni.judging import wait_for_async
 from real_omni.server import OMNI_FAST, watched
-from real_vllm.client import answer, health_status
+from real_vllm.client import ASK_EVERY, answer, health_status
 from real_vllm.server import start_ready
 
 from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import load_config, merge_layers
-from omni_watchdog.demo import wait_for
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.types import EvidenceKind, IncidentOutcome, StageRef, StageState
 
@@ -165,7 +164,7 @@ def test_each_host_s_watchdog_acts_on_its_own_stage_and_the_head_s_never_across(
             async def unhealthy() -> bool:
                 return await health_status(session, deployment.head) == 503
 
-            await wait_for_async(unhealthy, 30)
+            await wait_for(unhealthy, 30, "the head's /health answering 503", ASK_EVERY)
             incident = await incident_done(talker_dog, 90)
             assert incident.outcome in RECOVERED | {IncidentOutcome.CRASHED}, incident
             await wait_for(lambda: not talker.leftovers(), 30)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from deadline import wait_for
 from e2e.forgery import forge, traces_url
 from e2e.harness import (
     ACCEPTED,
@@ -33,7 +34,6 @@ from real_vllm.client import (
     health_status,
 )
 
-from omni_watchdog.demo import wait_for
 from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.semconv import PROCESS_PID
 from omni_watchdog.types import (

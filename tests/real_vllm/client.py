@@ -5,32 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
+from deadline import wait_for
 from real_vllm.server import MODEL_NAME, VllmServer
 
-from omni_watchdog.demo import wait_for
 from omni_watchdog.probes.span_store import SpanRecord
 from omni_watchdog.types import EvidenceKind
 
-Result = TypeVar("Result")
+# How often a wait asks a real server: each look costs it a request.
+ASK_EVERY = 0.25
 # Long enough to still be decoding when a signal arrives a moment after its first token.
 LONG_REQUEST = 480
-
-
-async def eventually(probe: Callable[[], Awaitable[Result | None]], timeout: float) -> Result:
-    """Poll an async `probe` until it returns something truthy, or raise TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"condition not met within {timeout:g}s")
-        await asyncio.sleep(0.25)
 
 
 def chat_body(max_tokens: int, stream: bool = False) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,13 +25,13 @@ import aiohttp
 import explain
 import psutil
 import pytest
+from deadline import wait_for
 from e2e.harness import FAST, watchdog_account
 from ports import free_port, port_block
 
 from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import PROBES, load_config, merge_layers
-from omni_watchdog.demo import wait_for
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.log import configure_logging
 from omni_watchdog.process_start import start_time
@@ -281,9 +280,9 @@ class VllmServer(StartedTree):
 
     async def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Until /health answers 200; fails at once, with the log, if the server exits."""
-        deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
+
+            async def healthy() -> bool:
                 if self.process.poll() is not None:
                     self.exited("vllm")
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
@@ -292,9 +291,12 @@ class VllmServer(StartedTree):
                     ) as response:
                         if response.status == 200:
                             self.tree()
-                            return
-                await asyncio.sleep(0.5)
-        pytest.fail(f"vllm not ready in {timeout:g}s:\n{self.log_tail()}")
+                            return True
+                return False
+
+            await wait_for(
+                healthy, timeout, "vllm's /health answering 200", 0.5, seen=self.log_tail
+            )
 
 
 # What vLLM logs when a port it was given or chose was bound by someone else first.

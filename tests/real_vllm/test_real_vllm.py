@@ -17,13 +17,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+from deadline import wait_for
 from e2e.harness import RECOVERED, incident_done, state, steps_of
 from real_vllm.client import (
+    ASK_EVERY,
     LONG_REQUEST,
     Stream,
     all_spans,
     chat,
-    eventually,
     evidence_kinds,
     gone,
     health_status,
@@ -31,7 +32,6 @@ from real_vllm.client import (
 )
 from real_vllm.server import VllmServer, watching
 
-from omni_watchdog.demo import wait_for
 from omni_watchdog.probes.span_store import SpanRecord
 from omni_watchdog.semconv import HEARTBEAT_SPAN, VLLM_REQUEST_SPAN
 from omni_watchdog.types import (
@@ -116,7 +116,7 @@ def test_attaches_maps_the_tree_and_sees_spans_and_progress(
                 after = await last_progress()
                 return after is not None and (before is None or after > before)
 
-            await eventually(moved, 10)
+            await wait_for(moved, 10, "stage 0's last progress moved", ASK_EVERY)
             # The canary's own requests (one token each) are spans too: look for ours.
             ours = await wait_for(
                 lambda: [s for s in all_spans(watchdog) if is_request_of(s, 8)][2:], 15

@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
+from deadline import wait_until
 
 from omni_watchdog.demo import REPORT_REQUEST
 from omni_watchdog.process_start import start_time
@@ -25,25 +24,6 @@ START_TIMEOUT_S = 30.0
 EXAMPLES = Path(__file__).resolve().parents[2] / "omni_watchdog" / "examples"
 V030_CONFIG = EXAMPLES / "qwen2_5_omni_0.30.yaml"
 CONFIGS = {"0.11": EXAMPLES / "qwen2_5_omni_0.11.yaml", "0.30": V030_CONFIG}
-
-
-def wait_until(
-    predicate: Callable[[], Any],
-    timeout: float,
-    interval: float = 0.05,
-    seen: Callable[[], object] | None = None,
-) -> Any:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds,
-    saying what `seen()` shows then."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            shown = "" if seen is None else f"; seen: {seen()}"
-            raise AssertionError(f"condition not met within {timeout} s{shown}")
-        time.sleep(interval)
 
 
 def main_thread_status(pid: int) -> dict[str, str]:

@@ -15,7 +15,8 @@ from typing import Any
 
 import psutil
 import pytest
-from sim.sim_helpers import CONFIGS, Sim, voluntary_switches, wait_delivered, wait_until
+from deadline import holds_for, wait_until
+from sim.sim_helpers import CONFIGS, Sim, voluntary_switches, wait_delivered
 
 from omni_watchdog.sim.engine import BUILD_S, BUILDER_NAMES, LONG_STEP_EVERY, LONG_STEP_S
 from omni_watchdog.sim.orchestrator import FATAL_EXIT_DELAY_S
@@ -35,10 +36,7 @@ def unchanged_for(seconds: float, read: object) -> None:
     """`read()` gives the same value over `seconds` (sampled a few times)."""
     assert callable(read)
     first = read()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert read() == first
-        time.sleep(seconds / 4)
+    holds_for(lambda: read() == first, seconds, f"{first!r} unchanged", seconds / 4, seen=read)
 
 
 def test_engine_dead_hang_starves_the_api_and_ignores_sigint_and_sigterm(sim: Sim) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from sim.sim_helpers import wait_until
+from deadline import wait_until
 
 from omni_watchdog.sim import nvml
 from omni_watchdog.sim.nvml import GIB, GpuAllocations, NVMLError, SimulatedNvml, write_devices

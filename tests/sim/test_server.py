@@ -8,7 +8,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from sim.sim_helpers import CONFIGS, V030_CONFIG, Sim, wait_until
+from deadline import wait_until
+from sim.sim_helpers import CONFIGS, V030_CONFIG, Sim
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import psutil
 import pytest
-from sim.sim_helpers import START_TIMEOUT_S, V030_CONFIG, Sim, wait_until
+from deadline import holds_for, wait_until
+from sim.sim_helpers import START_TIMEOUT_S, V030_CONFIG, Sim
 
 from omni_watchdog.sim.coordinator import MAX_PENDING_PEERS
 from omni_watchdog.sim.wire import MAX_LINE_BYTES
@@ -125,14 +126,6 @@ def replica_pid(stage: Sim, replica: int = 0) -> int:
     return int(headless_status(stage)["replicas"][replica]["pid"])
 
 
-def holds_for(seconds: float, predicate: Callable[[], bool]) -> None:
-    """`predicate()` stays true over `seconds` (sampled a few times a second)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert predicate()
-        time.sleep(0.25)
-
-
 def chat_in_background(head: Sim, timeout: float) -> tuple[threading.Thread, list[Any]]:
     """One chat on its own thread; the list gets its status and body when it ends."""
     answers: list[Any] = []
@@ -232,7 +225,9 @@ def test_a_stalled_forward_keeps_beating_and_is_never_evicted(sims: Callable[[st
     assert head.chat(timeout=1.0).status == 0  # it hangs
     assert [e["kind"] for e in stage.events()] == ["silent-stall"]
     assert stage.events()[0]["pid"] == replica_pid(stage)
-    holds_for(HEARTBEAT_TIMEOUT_S + MARGIN_S, lambda: head.get("/health").status == 200)
+    holds_for(
+        lambda: head.get("/health").status == 200, HEARTBEAT_TIMEOUT_S + MARGIN_S, interval=0.25
+    )
     assert head.metric("vllm:num_requests_running", stage="2", replica="0") == 1
     # A request in flight on it fails at once when the replica dies.
     thread, answers = chat_in_background(head, timeout=10)
@@ -280,7 +275,9 @@ def test_a_headless_stage_outlives_its_master_and_registers_with_the_next(
     head.wait_exit(5)
     wait_until(lambda: "unreachable" in stage.output(), 5)
     # Orphaned: the stage keeps running and holding its memory, trying again each second.
-    holds_for(2.5, lambda: stage.gpu_pids() == {replica} and stage.used_bytes() == held)
+    holds_for(
+        lambda: stage.gpu_pids() == {replica} and stage.used_bytes() == held, 2.5, interval=0.25
+    )
     assert psutil.Process(stage.pid).is_running()
     assert stage.output().count("unreachable") == 1  # said once per outage
     successor = sims("successor")

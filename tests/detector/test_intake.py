@@ -1,0 +1,200 @@
+"""Table tests of intake: observation sequences -> what the detector's memory keeps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from omni_watchdog.config import DetectionConfig
+from omni_watchdog.detector.expectations import BlindSpells
+from omni_watchdog.detector.intake import fold, stage_memory, unseen_timeout
+from omni_watchdog.detector.memory import MAX_EXTRA_STAGES, TargetMemory, attach
+from omni_watchdog.types import (
+    STEP_COUNTERS,
+    HealthOutcome,
+    Observation,
+    ObservationKind,
+    ProcessInfo,
+    ProcessRole,
+    ProcessStatus,
+    SpanOutcome,
+    Stage,
+    StageRef,
+    Topology,
+)
+
+CONFIG = DetectionConfig()  # health_failures 3, heartbeat_timeout 3 s, crash_window 30 s
+S0 = StageRef(0)
+Kind = ObservationKind
+OK, TIMEOUT, REFUSED = HealthOutcome.OK, HealthOutcome.TIMEOUT, HealthOutcome.REFUSED
+
+
+def health(time: float, outcome: HealthOutcome) -> Observation:
+    return Observation(Kind.HEALTH, time, outcome=outcome, detail="x")
+
+
+def beat(time: float) -> Observation:
+    return Observation(Kind.HEARTBEAT, time, S0)
+
+
+def progress(time: float, value: float) -> Observation:
+    return Observation(Kind.PROGRESS, time, S0, value, detail=STEP_COUNTERS)
+
+
+def load(time: float, value: float) -> Observation:
+    return Observation(Kind.LOAD, time, S0, value)
+
+
+def process(time: float, role: ProcessRole, status: ProcessStatus) -> Observation:
+    stage = None if role is ProcessRole.API else S0
+    info = ProcessInfo(200, 2.0, 1, 1, 1, role.value, status, 1.0, role, stage)
+    return Observation(Kind.PROCESS, time, process=info, outcome=status)
+
+
+def step(time: float, request: str, number: int) -> Observation:
+    return Observation(Kind.DENOISE_STEP, time, S0, 0.5, request_id=request, step=number)
+
+
+def span(time: float, request: str, outcome: SpanOutcome) -> Observation:
+    return Observation(Kind.STAGE_SPAN, time, S0, 0.2, outcome, "boom", request_id=request)
+
+
+def folded(observations: list[Observation]) -> TargetMemory:
+    target = attach(Topology((Stage(0, "engine"),)), 0.0, (), BlindSpells())
+    for obs in observations:
+        fold(CONFIG, target, obs)
+    return target
+
+
+ROWS: list[tuple[str, list[Observation], Callable[[TargetMemory], object], object]] = [
+    (
+        "a healthy /health starts the grace",
+        [health(1.0, OK), health(2.0, OK)],
+        lambda t: t.first_healthy,
+        1.0,
+    ),
+    (
+        "the Nth failure in a row confirms, from then",
+        [health(1.0, TIMEOUT), health(2.0, TIMEOUT), health(3.0, TIMEOUT)],
+        lambda t: (t.health_failures, t.health_failed_since, t.health_confirmed_at),
+        (3, 1.0, 3.0),
+    ),
+    (
+        "a healthy answer breaks the run",
+        [health(1.0, TIMEOUT), health(2.0, OK), health(3.0, TIMEOUT)],
+        lambda t: (t.health_failures, t.health_failed_since, t.health_unwell),
+        (1, 3.0, (3.0, "timeout x")),
+    ),
+    (
+        "a refused /health is no sign of a crash",
+        [health(1.0, REFUSED)],
+        lambda t: (t.health_failures, t.health_unwell, t.unhealthy_signs),
+        (1, None, []),
+    ),
+    (
+        "the first progress sample is a baseline",
+        [progress(1.0, 10.0), progress(2.0, 10.0)],
+        lambda t: (t.last_progress, t.stages[S0].progress_changed_at, t.stages[S0].counts_steps),
+        (None, 1.0, True),
+    ),
+    (
+        "a change after it is movement",
+        [progress(1.0, 10.0), progress(2.0, 15.0)],
+        lambda t: (t.last_progress, t.stages[S0].progress_moved_at),
+        (2.0, 2.0),
+    ),
+    (
+        "load counts as positive from its first positive sample",
+        [load(1.0, 0.0), load(2.0, 2.0), load(3.0, 1.0)],
+        lambda t: (t.stages[S0].load, t.stages[S0].load_positive_since),
+        (1.0, 2.0),
+    ),
+    (
+        "beat gaps within the timeout are the stage's rhythm",
+        [beat(1.0), beat(2.0), beat(4.0), beat(9.0)],
+        lambda t: (len(t.stages[S0].beat_gaps), t.stages[S0].last_heartbeat),
+        (2, 9.0),
+    ),
+    (
+        "a late beat does not move the latest back",
+        [beat(5.0), beat(4.0)],
+        lambda t: t.stages[S0].last_heartbeat,
+        5.0,
+    ),
+    (
+        "an engine exiting while its server lives is news",
+        [
+            process(1.0, ProcessRole.API, ProcessStatus.SLEEPING),
+            process(2.0, ProcessRole.ENGINE, ProcessStatus.EXITED),
+        ],
+        lambda t: (t.stage_exits, t.stages[S0].processes[200].exited_at, len(t.unhealthy_signs)),
+        (1, 2.0, 1),
+    ),
+    (
+        "a helper exiting is not",
+        [process(2.0, ProcessRole.HELPER, ProcessStatus.EXITED)],
+        lambda t: (t.stage_exits, t.stages[S0].processes[200].exited_at),
+        (0, 2.0),
+    ),
+    (
+        "a zombie server is gone",
+        [process(3.0, ProcessRole.API, ProcessStatus.ZOMBIE)],
+        lambda t: (t.root_exited_at, t.root_alive()),
+        (3.0, False),
+    ),
+    (
+        "a late span of an earlier step keeps the later step",
+        [step(1.0, "r", 5), step(1.5, "r", 4)],
+        lambda t: (t.stages[S0].denoising["r"].step, t.stages[S0].progress_moved_at),
+        (5, 1.5),
+    ),
+    (
+        "a failed request counts once, however many spans tell it",
+        [span(1.0, "r", SpanOutcome.ERROR), span(1.1, "r", SpanOutcome.ERROR)],
+        lambda t: (t.stages[S0].request_errors, t.stages[S0].last_error),
+        (1, "boom"),
+    ),
+    (
+        "signs older than the crash window go",
+        [health(1.0, TIMEOUT), health(40.0, TIMEOUT)],
+        lambda t: [time for time, _ in t.unhealthy_signs],
+        [40.0],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("observations", "read", "expected"),
+    [pytest.param(obs, read, expected, id=name) for name, obs, read, expected in ROWS],
+)
+def test_intake_keeps_what_each_observation_says(
+    observations: list[Observation], read: Callable[[TargetMemory], object], expected: object
+) -> None:
+    assert read(folded(observations)) == expected
+
+
+@pytest.mark.parametrize(
+    ("outcome", "blind", "unseen"),
+    [
+        pytest.param(TIMEOUT, (9.5, 9.8), True, id="a-timeout-blind-for-part-of-it"),
+        pytest.param(TIMEOUT, (5.0, 6.0), False, id="a-timeout-seen-throughout"),
+        pytest.param(HealthOutcome.UNHEALTHY, (9.5, 9.8), False, id="an-answer-is-an-answer"),
+    ],
+)
+def test_a_timeout_the_watchdog_was_blind_for_is_set_aside(
+    outcome: HealthOutcome, blind: tuple[float, float], unseen: bool
+) -> None:
+    spells = BlindSpells()
+    spells.add(*blind)
+    # Timed out at 10 s after waiting 2 s for its answer.
+    obs = Observation(Kind.HEALTH, 10.0, value=2.0, outcome=outcome)
+    assert unseen_timeout(obs, spells) is unseen
+
+
+def test_stage_replicas_beyond_the_topology_are_bounded() -> None:
+    target = folded([])
+    made = [stage_memory(target, StageRef(0, replica)) for replica in range(1, 100)]
+    assert sum(memory is not None for memory in made) == MAX_EXTRA_STAGES
+    assert len(target.stages) == 1 + MAX_EXTRA_STAGES
+    assert target.names[StageRef(0, 1)] == "engine"
