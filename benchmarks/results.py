@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import re
+import textwrap
 from pathlib import Path
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
@@ -13,7 +14,8 @@ README_PATH = Path(__file__).resolve().parent.parent / "README.md"
 TITLE = "# Benchmark results"
 _SECTION = re.compile(r"^## (.+)$", re.MULTILINE)
 _MACHINE = re.compile(r"^Machine: (.+)$", re.MULTILINE)
-# The README's copy of the figures that have a target lies between these two lines.
+# The README's summary of the results (how many figures met their target) lies between
+# these two lines.
 README_START = "<!-- benchmark table: written by make bench from benchmarks/RESULTS.md -->"
 README_END = "<!-- end of benchmark table -->"
 
@@ -93,21 +95,25 @@ def recorded_rows(section: str, path: Path = RESULTS_PATH) -> list[tuple[str, st
 
 
 def readme_table(results: str) -> str:
-    """The README's summary of `results`: the machine, then every figure with a target."""
+    """The README's summary of `results`: the machine and how many figures met their
+    target, with a link to the figures themselves (the README copies none of them)."""
     machine = _MACHINE.search(results)
-    lines = [
-        f"Machine: {machine.group(1) if machine else 'unknown'}. Each benchmark's method is in",
-        "`benchmarks/RESULTS.md`:",
-        "",
-        "| benchmark | figure | measured | target | verdict |",
-        "| --- | --- | --- | --- | --- |",
+    verdicts = [
+        row[3]
+        for text in split_sections(results).values()
+        for row in table_rows(text)
+        if row[2] not in ("information", "-")
     ]
-    for section, text in split_sections(results).items():
-        for row in table_rows(text):
-            if row[2] in ("information", "-"):
-                continue
-            lines.append(f"| {section} | {' | '.join(row)} |")
-    return "\n".join(lines)
+    failed = sum(1 for verdict in verdicts if verdict != "pass")
+    return textwrap.fill(
+        f"Last run on {machine.group(1) if machine else 'an unknown machine'}: of"
+        f" {len(verdicts)} figures with a target, {len(verdicts) - failed} pass and"
+        f" {failed} fail. Every figure, its target and verdict, and each benchmark's"
+        " method are in [`benchmarks/RESULTS.md`](benchmarks/RESULTS.md).",
+        width=90,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
 
 
 def with_readme_table(readme: str, results: str) -> str:
