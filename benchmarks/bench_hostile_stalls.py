@@ -58,7 +58,7 @@ from omni_watchdog.semconv import (
     STAGE_REPLICA,
     STAGE_REQUEST_SPAN,
 )
-from omni_watchdog.types import StageRef
+from omni_watchdog.types import ProcessStatus, StageRef
 
 SECTION = "Stalls under hostile load"
 FLOODS = ("impersonation", "refused POSTs", "readers", "reports")
@@ -169,7 +169,11 @@ def start_flood(load: str, watchdog: Any, workdir: Path) -> subprocess.Popen[byt
     api, otlp = watchdog.api_port, watchdog.otlp_port
     token = "-"
     if load in ("impersonation", "token holder"):
-        engine = next(p for p in watchdog.tracker.live() if p.stage == StageRef(0))
+        engine = next(
+            p
+            for p in watchdog.state.processes
+            if p.stage == StageRef(0) and p.status is not ProcessStatus.EXITED
+        )
         body = workdir / "forged.bin"
         body.write_bytes(forged_body(engine.pid))
         args = ["POST", otlp, "/v1/traces", "application/x-protobuf", body, 1, 0.3]
@@ -268,7 +272,7 @@ async def stall_under(load: str, workdir: Path, flood_seconds: float) -> Figures
                 for status, count in json.loads(output or b"{}").items():
                     answers[status] = answers.get(status, 0) + count
         verdict = summary(incident, server.fault_time())["fault_to_verdict_s"]
-        refused = {r: n for r, n in watchdog.receiver.stats.spans_rejected.items() if n}
+        refused = {r: n for r, n in watchdog.state.receiver.spans_rejected.items() if n}
         actions_refused = await refused_actions(f"http://127.0.0.1:{watchdog.api_port}/metrics")
     journal = workdir / "watchdog" / "journal.jsonl"
     size = journal.stat().st_size if journal.exists() else 0

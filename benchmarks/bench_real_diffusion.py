@@ -370,7 +370,7 @@ async def soak_scenario(
 
         await asyncio.gather(*(send(seen, kind, end) for kind, send in clients.items()), watch())
         image_faults.disarm(DIT_STAGE)
-        seen.incidents = len(voice_dog.policy.incidents()) + len(image_dog.policy.incidents())
+        seen.incidents = sum(len(dog.state.remediation.incidents) for dog in (voice_dog, image_dog))
     return seen
 
 

@@ -898,7 +898,7 @@ async def soak_scenario(server: VllmServer, faults: Any, seconds: float, workdir
                 seen.worse += worse_than_degraded(watchdog, STAGES)
         finally:
             faults.disarm(1)
-        seen.incidents = len(watchdog.policy.incidents())
+        seen.incidents = len(watchdog.state.remediation.incidents)
     return seen
 
 
@@ -981,7 +981,7 @@ async def legit_run(watchdog: Any, server: VllmServer, faults: Any, word: str) -
             run.seconds = time.monotonic() - begun
             faults.disarm(talker.stage_id)
             watcher.cancel()
-    run.incidents = len(watchdog.policy.incidents())
+    run.incidents = len(watchdog.state.remediation.incidents)
     return run
 
 

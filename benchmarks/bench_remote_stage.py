@@ -121,7 +121,7 @@ async def measure(fault: Fault, workdir: Path) -> Run:
             timeline = incident.get("timeline") or {}
             verdict_at, released_at = timeline.get("verdict"), timeline.get("released")
             # The head killed on purpose records its own crash: not a remote stage's.
-            acted = 0 if fault.make is orphan else len(head.watchdog.policy.incidents())
+            acted = 0 if fault.make is orphan else len(head.watchdog.state.remediation.incidents)
             return Run(
                 None if fault_time is None or verdict_at is None else verdict_at - fault_time,
                 None if fault_time is None or released_at is None else released_at - fault_time,

@@ -124,7 +124,7 @@ async def soak(workdir: Path, generation: str, args: argparse.Namespace) -> Soak
                 seen.states.update(status.state for status in report.statuses)
             await asyncio.sleep(SAMPLE_INTERVAL)
         await load
-        seen.incidents = len(watchdog.policy.incidents())
+        seen.incidents = len(watchdog.state.remediation.incidents)
         seen.fault_fired = len(server.events()) == len(FAULTS)
     return seen
 

@@ -27,11 +27,11 @@ from aiohttp import web
 from omni_watchdog.config import WatchdogConfig, split_host_port
 from omni_watchdog.detector import Detector
 from omni_watchdog.exporters.api import JsonApi
-from omni_watchdog.exporters.prometheus import MetricsExposition
 from omni_watchdog.exporters.traces import IncidentTraces
 from omni_watchdog.log import log_event
 from omni_watchdog.operator import OperatorActions
 from omni_watchdog.policy.core import Policy
+from omni_watchdog.probes.activity import ActivityProbe
 from omni_watchdog.probes.gpu import GpuProbe
 from omni_watchdog.probes.health import HealthProbe
 from omni_watchdog.probes.processes import ProcessTracker
@@ -57,6 +57,7 @@ from omni_watchdog.types import (
     Observation,
     ObservationKind,
     Probe,
+    RestingProbe,
     Topology,
     WatchdogState,
 )
@@ -64,6 +65,31 @@ from omni_watchdog.types import (
 logger = logging.getLogger("omni_watchdog.app")
 
 EVALUATE_EVERY = 0.25
+# While the server is idle and well (`DetectorReport.at_rest`) only news can change a verdict:
+# a timeout running out (`next_due`), an exit or a failed answer, or observations that end
+# the rest, and each of them wakes the evaluation.
+EVALUATE_AT_REST = 1.0
+# Probes with nothing to read while the server is at rest look this many times less often
+# then, and at once when the rest ends: the activity probe reads only silent stages, and
+# at rest none is.
+AT_REST_STRETCH = 4
+LOOK_LESS_AT_REST = frozenset({ActivityProbe.name})
+# What an idle, well server sends all the time; anything else may be a request, an error
+# or a change of pipeline, and is judged at once.
+ROUTINE_AT_REST = frozenset(
+    {
+        ObservationKind.HEARTBEAT,
+        ObservationKind.PROGRESS,
+        ObservationKind.LOAD,
+        ObservationKind.HEALTH,
+        ObservationKind.CANARY,
+        ObservationKind.PROCESS,
+        ObservationKind.PROCESS_STAGE,
+        ObservationKind.GPU_PROCESS,
+        ObservationKind.GPU_DEVICE,
+        ObservationKind.ACTIVITY,
+    }
+)
 # How long `stop` waits for the loops to end before it gives up on them.
 STOP_PATIENCE = 5.0
 # After a stage process exits, /health is asked this often until the exit alone would
@@ -76,7 +102,11 @@ CANARY_CHECK_EVERY = 0.25
 
 
 class Watchdog:
-    """One watchdog attached to one target server: its loops and its two listeners."""
+    """One watchdog attached to one target server: its loops and its two listeners.
+
+    What it knows is read from `state`, the last evaluation's snapshot, as every exporter
+    reads it; its components stay its own.
+    """
 
     def __init__(
         self,
@@ -101,25 +131,23 @@ class Watchdog:
         listeners: dict[str, Listener],
         api: JsonApi,
         operator: OperatorActions,
-        exposition: MetricsExposition,
         exporters: tuple[Exporter, ...],
         traces: IncidentTraces | None,
     ) -> None:
         """`senders` is the topology the receiver trusts spans against when no process
         table is in view (None when the tracker is that judge); `listeners` is filled as
         they bind, and the assembler reads it."""
-        self.config = config
-        self.clock = clock
-        self.topology = topology
-        self.detector = detector
-        self.tracker = tracker
-        self.receiver = receiver
-        self.store = store
-        self.target = target
-        self.policy = policy
-        self.stats = stats
-        self.exposition = exposition
-        self.listeners = listeners
+        self._config = config
+        self._clock = clock
+        self._topology = topology
+        self._detector = detector
+        self._tracker = tracker
+        self._receiver = receiver
+        self._store = store
+        self._target = target
+        self._policy = policy
+        self._stats = stats
+        self._listeners = listeners
         self._session = session
         self._senders = senders
         self._periodic = periodic
@@ -127,15 +155,16 @@ class Watchdog:
         self._errors = errors
         self._assembler = assembler
         self._sight = sight
-        self.api = api
+        self._api = api
         self._operator = operator
         self._exporters = exporters
-        self.traces = traces
+        self._traces = traces
         self.state: WatchdogState = assembler.make(topology, None, None)
         self._last_evaluation: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._look_now = {probe.name: asyncio.Event() for probe, _ in periodic}
         self._judge_now = asyncio.Event()
+        self._at_rest = False
         self._asking_until = 0.0
         self._generation = 0
         self.api_port: int | None = None
@@ -146,28 +175,26 @@ class Watchdog:
     async def start(self) -> None:
         """Bind both listeners, then start the loops; a listener that cannot bind raises
         OSError before any loop runs."""
-        config = self.config
+        config = self._config
         listener_errors = RateLimitedLog(lambda: self._errors.count("listener"))
         install_loop_error_handler(asyncio.get_running_loop(), listener_errors)
         self.otlp_port = await self._serve(
-            self.receiver.app(), config.spans.otlp_listen, "otlp", listener_errors
+            self._receiver.app(), config.spans.otlp_listen, "otlp", listener_errors
         )
-        api = self.api.app()
-        self._operator.add_routes(api)
-        self.api_port = await self._serve(api, config.listen, "api", listener_errors)
+        self.api_port = await self._serve(self.api_app(), config.listen, "api", listener_errors)
         for probe, every in self._periodic:
             self._spawn(self._probe_loop(probe, every), f"{probe.name} probe")
         self._spawn(self._evaluate_loop(), "evaluation")
         self._spawn(self._sight_loop(), "sight")
-        await self.policy.resume(self.target.snapshot_of_entry)
+        await self._policy.resume(self._target.snapshot_of_entry)
         log_event(
             logger,
             "watchdog_started",
-            target=self.target.url,
+            target=self._target.url,
             mode=config.mode.value,
             api_port=self.api_port,
             otlp_port=self.otlp_port,
-            stages=[s.name for s in self.topology.stages],
+            stages=[s.name for s in self._topology.stages],
             probes=[probe.name for probe, _ in self._periodic],
         )
 
@@ -183,17 +210,30 @@ class Watchdog:
                 loops=[task.get_name() for task in stuck],
                 patience=STOP_PATIENCE,
             )
-        self.tracker.close()
-        for listener in self.listeners.values():
+        self._tracker.close()
+        for listener in self._listeners.values():
             await listener.close()
-        await self.policy.close()
+        await self._policy.close()
         await self._session.close()
-        if self.traces is not None:
-            await asyncio.to_thread(self.traces.shutdown)
+        if self._traces is not None:
+            await asyncio.to_thread(self._traces.shutdown)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         await stop.wait()
         await self.stop()
+
+    def api_app(self) -> web.Application:
+        """The routes of `--listen`, the operator's actions among them, as `start` serves
+        them; a test may serve them in-process before the loops run."""
+        app = self._api.app()
+        self._operator.add_routes(app)
+        return app
+
+    @property
+    def spans(self) -> SpanStore:
+        """The spans kept per stage. The state carries none of them (too many to copy at
+        every evaluation): a test of what a server sends reads them here."""
+        return self._store
 
     # ---- loops --------------------------------------------------------------------
 
@@ -204,35 +244,39 @@ class Watchdog:
         self, app: web.Application, listen: str, which: str, errors: RateLimitedLog
     ) -> int:
         host, port = split_host_port(listen, which)
-        limits = ListenerLimits(self.config.header_timeout, self.config.max_connections)
+        limits = ListenerLimits(self._config.header_timeout, self._config.max_connections)
         listener = Listener(app, which, limits, errors)
         bound = await listener.start(host, port)
-        self.listeners[which] = listener
+        self._listeners[which] = listener
         return bound
 
     async def _probe_loop(self, probe: Probe, every: float) -> None:
         while True:
-            begun = self.clock.monotonic()
+            begun = self._clock.monotonic()
             try:
                 observations = await probe.collect()
             except asyncio.CancelledError:
                 raise
             except Exception as error:
-                took = self.clock.monotonic() - begun
+                took = self._clock.monotonic() - begun
                 self._probes.failed(probe.name, str(error) or type(error).__name__, took)
             else:
-                took = self.clock.monotonic() - begun
+                took = self._clock.monotonic() - begun
                 self._probes.succeeded(probe.name, took)
                 try:
                     self._take(probe, observations)
                 except Exception as error:
                     self._errors.record("ingest", error)
-            period = every
-            if probe.name == HealthProbe.name and self.clock.monotonic() < self._asking_until:
+            period = (
+                every * AT_REST_STRETCH
+                if self._at_rest and probe.name in LOOK_LESS_AT_REST
+                else every
+            )
+            if probe.name == HealthProbe.name and self._clock.monotonic() < self._asking_until:
                 period = min(every, ASKING_EVERY)
             rest = max(0.0, period - took)
-            if probe is self.tracker:
-                await self.tracker.rest(rest)
+            if isinstance(probe, RestingProbe):
+                await probe.rest(rest)
             else:
                 await _rest_unless(self._look_now[probe.name], rest)
 
@@ -250,34 +294,43 @@ class Watchdog:
                 and obs.pid is not None
                 and obs.stage is not None
             ):
-                self.tracker.learn_stage(obs.pid, obs.stage, obs.detail)
-        self.target.observe(observations)
-        exits = self.detector.stage_exits
-        self.detector.observe(observations)
-        self.stats.observe(observations)
-        exited = self.detector.stage_exits != exits
+                self._tracker.learn_stage(obs.pid, obs.stage, obs.detail)
+        self._target.observe(observations)
+        exits = self._detector.stage_exits
+        self._detector.observe(observations)
+        self._stats.observe(observations)
+        exited = self._detector.stage_exits != exits
         if exited and HealthProbe.name in self._look_now:
             self._look_now[HealthProbe.name].set()
-            self._asking_until = self.clock.monotonic() + self.config.detection.confirm_timeout
+            self._asking_until = self._clock.monotonic() + self._config.detection.confirm_timeout
         if exited and GpuProbe.name in self._look_now:
             # Whether the device let go of the exited process's memory confirms its death.
             self._look_now[GpuProbe.name].set()
         if exited or _failed_answer(observations):
             self._judge_now.set()
-        if probe is self.tracker and self.tracker.generation != self._generation:
+        if self._at_rest and any(obs.kind not in ROUTINE_AT_REST for obs in observations):
+            self._end_rest()
+            self._judge_now.set()
+        if probe is self._tracker and self._tracker.generation != self._generation:
             self._reattach()
+
+    def _end_rest(self) -> None:
+        """The server is no longer at rest: the probes that looked less often look now."""
+        self._at_rest = False
+        for name in LOOK_LESS_AT_REST & self._look_now.keys():
+            self._look_now[name].set()
 
     def _offer_topology(self, offered: Topology) -> None:
         """Use a topology learned from the server when it is better informed than the one
         in use (`topology.replaces`), everywhere at once, keeping the detector's state of
         the stages that stay. A re-attach keeps it too: a restarted server almost always
         runs the same pipeline, and whatever it runs now is learned again."""
-        offered = with_remote_stages(offered, self.config.remote_stages)
-        if not replaces(self.topology, offered):
+        offered = with_remote_stages(offered, self._config.remote_stages)
+        if not replaces(self._topology, offered):
             return
-        self.topology = offered
-        self.detector.set_topology(offered, self.clock.monotonic())
-        self.tracker.set_topology(offered)
+        self._topology = offered
+        self._detector.set_topology(offered, self._clock.monotonic())
+        self._tracker.set_topology(offered)
         if self._senders is not None:
             self._senders.set_topology(offered)
         log_event(
@@ -289,29 +342,29 @@ class Watchdog:
 
     def _reattach(self) -> None:
         """A new server answers on the target: judge the old one's exit, then start afresh."""
-        previous = self.tracker.previous_generation()
+        previous = self._tracker.previous_generation()
         if self._generation > 0:
-            report = self.detector.evaluate(self.clock.monotonic())
-            self.stats.count_verdicts(report.verdicts)
-            self.policy.on_report(report, lambda: self.target.snapshot(previous))
+            report = self._detector.evaluate(self._clock.monotonic())
+            self._stats.count_verdicts(report.verdicts)
+            self._policy.on_report(report, lambda: self._target.snapshot(previous))
         first = self._generation == 0
-        self._generation = self.tracker.generation
-        self.target.reattached()
+        self._generation = self._tracker.generation
+        self._target.reattached()
         if first:
             # What was heard on the target before its processes were found came from this
             # server: a first scan slower than the warm-up must not start the warm-up over
             # (a server broken meanwhile would answer healthy never again).
-            self.detector.attached(self.clock.monotonic())
+            self._detector.attached(self._clock.monotonic())
         else:
-            self.detector.reset(self.topology, self.clock.monotonic())
-        root = self.tracker.root
-        self.policy.on_attach(root.identity if root else None)
+            self._detector.reset(self._topology, self._clock.monotonic())
+        root = self._tracker.root
+        self._policy.on_attach(root.identity if root else None)
         log_event(
             logger,
             "attached",
             generation=self._generation,
             pid=root.pid if root else None,
-            processes=len(self.tracker.recorded()),
+            processes=len(self._tracker.recorded()),
         )
 
     async def _sight_loop(self) -> None:
@@ -330,24 +383,29 @@ class Watchdog:
 
     def _until_due(self) -> float:
         """Seconds until the next evaluation: the tick, or sooner when a timeout runs out."""
-        now = self.clock.monotonic()
+        now = self._clock.monotonic()
         try:
-            due = self.detector.next_due(now)
+            due = self._detector.next_due(now)
         except Exception as error:  # the loop goes on at its tick
             self._errors.record("evaluate", error)
             return EVALUATE_EVERY
-        return EVALUATE_EVERY if due is None else min(EVALUATE_EVERY, due - now + DUE_SLACK)
+        tick = EVALUATE_AT_REST if self._at_rest else EVALUATE_EVERY
+        return tick if due is None else min(tick, due - now + DUE_SLACK)
 
     def _evaluate(self) -> None:
         """Judge the stages once, hand the report to the policy, and publish the state."""
         self._sight.look()
-        report = self.detector.evaluate(self.clock.monotonic())
+        report = self._detector.evaluate(self._clock.monotonic())
         _log_report(report)
-        self.stats.count_verdicts(report.verdicts)
-        self.policy.on_report(report, self.target.snapshot)
-        closed = tuple(self.stats.count_incidents(self.policy.incidents()))
-        self._last_evaluation = self.clock.monotonic()
-        self._publish(self._assembler.make(self.topology, report, self._last_evaluation, closed))
+        self._stats.count_verdicts(report.verdicts)
+        self._policy.on_report(report, self._target.snapshot)
+        closed = tuple(self._stats.count_incidents(self._policy.incidents()))
+        self._last_evaluation = self._clock.monotonic()
+        if self._at_rest and not (report.at_rest and not self._policy.busy):
+            self._end_rest()
+        else:
+            self._at_rest = report.at_rest and not self._policy.busy
+        self._publish(self._assembler.make(self._topology, report, self._last_evaluation, closed))
 
     def _publish_self_health(self) -> None:
         """After a failed evaluation the last state stands, with the failure counted in

@@ -16,7 +16,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -25,6 +25,9 @@ from omni_watchdog.log import configure_logging
 from omni_watchdog.sim.faults import FaultError, check_generation, parse_fault
 from omni_watchdog.sim.launcher import SimProcess, example_config, free_port
 from omni_watchdog.types import Incident, IncidentOutcome, ProcessStatus, StepOutcome
+
+if TYPE_CHECKING:
+    from omni_watchdog.app import Watchdog
 
 REPORT_REQUEST: dict[str, Any] = {
     "model": "yujiepan/qwen2.5-omni-tiny-random",
@@ -152,7 +155,7 @@ async def attached(
     sim_env: Mapping[str, str] | None = None,
     stage_config: Path | None = None,
     port: int | None = None,
-) -> AsyncIterator[tuple[Any, SimProcess]]:
+) -> AsyncIterator[tuple[Watchdog, SimProcess]]:
     """A watchdog attached to a simulated server this process started (on `port`, else on
     a free one); both end on exit."""
     from omni_watchdog.clock import SystemClock
@@ -228,7 +231,7 @@ async def arm_faults(url: str, faults: list[str]) -> None:
                     raise RuntimeError(f"cannot arm {text}: {await response.text()}")
 
 
-def closed_incident(watchdog: Any) -> Incident | None:
+def closed_incident(watchdog: Watchdog) -> Incident | None:
     """The first incident closed as of the watchdog's last evaluation."""
     incidents = watchdog.state.remediation.incidents
     return next((i for i in incidents if i.closed is not None), None)

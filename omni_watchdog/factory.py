@@ -1,9 +1,10 @@
 """Builds a watchdog from its config and the world it is given.
 
 Every component is made here, with keyword arguments, in dependency order; `Watchdog`
-receives them finished and only runs the loops. What touches the world (time, the
-process table, NVML, the server's own config, the HTTP session) comes in as arguments,
-so a test builds the same watchdog over fakes.
+receives them finished and only runs the loops. What touches the world (time, the host
+whose processes are watched, NVML, the server's own config, the HTTP session) comes in as
+arguments, so a test builds the same watchdog over fakes: a fake host (`types.ProcessHost`)
+brings a table of its own and none of the readers only this kernel can answer.
 """
 
 from __future__ import annotations
@@ -66,11 +67,10 @@ from omni_watchdog.topology import (
 )
 from omni_watchdog.types import (
     Clock,
-    CpuWaits,
     Exporter,
     Nvml,
     Probe,
-    ProcessTable,
+    ProcessHost,
     StepName,
     Topology,
 )
@@ -79,30 +79,39 @@ from omni_watchdog.types import (
 HTTP_PROBES = frozenset({"health", "metrics", "canary"})
 
 
+def this_host() -> ProcessHost:
+    """This machine's processes, as psutil and this kernel show them, with every reader
+    this kernel answers. A new one for each watchdog: its readers keep what they read."""
+    return ProcessHost(
+        process_table=psutil,
+        cpu_waits=ThreadWaits(),
+        start_time=process_start.start_time,
+        exit_notices=ExitNotices(process_start.start_time),
+        socket_owners=SocketOwners(),
+        activity_proc=process_start.PROC,
+    )
+
+
 async def build_watchdog(
     config: WatchdogConfig,
     *,
     clock: Clock,
-    process_table: ProcessTable = psutil,
-    cpu_waits: CpuWaits | None = None,
+    host: ProcessHost | None = None,
     nvml: Nvml[Any] | None = None,
     topology: Topology | None = None,
-    start_time: Callable[[int], float] = process_start.start_time,
     read_server_config: Callable[[int], Topology | None] | None = None,
 ) -> Watchdog:
-    """A watchdog ready to `start()`. Without `cpu_waits`, how long this kernel's
-    processes waited for a CPU is read (`ThreadWaits`: give one that goes with a
-    `process_table` other than psutil). Without `nvml`, the config's GPU backend is loaded
-    (none for `gpu_backend: none`); without `topology`, the config's stage config is read,
-    or the server's own stages are learned as it runs."""
+    """A watchdog ready to `start()`. Without `host`, this machine's processes are watched
+    (`this_host()`). Without `nvml`, the config's GPU backend is loaded (none for
+    `gpu_backend: none`); without `topology`, the config's stage config is read, or the
+    server's own stages are learned as it runs."""
     session = aiohttp.ClientSession()
     try:
         return _assemble(
             config,
             session,
             clock=clock,
-            process_table=process_table,
-            cpu_waits=cpu_waits if cpu_waits is not None else ThreadWaits(clock=clock.monotonic),
+            host=host if host is not None else this_host(),
             nvml=nvml if nvml is not None else load_nvml(config.probes.gpu_backend),
             topology=with_remote_stages(
                 topology
@@ -113,7 +122,6 @@ async def build_watchdog(
                 ),
                 config.remote_stages,
             ),
-            start_time=start_time,
             read_server_config=read_server_config or ServerConfigReader().read,
         )
     except BaseException:
@@ -126,21 +134,21 @@ def _assemble(
     session: aiohttp.ClientSession,
     *,
     clock: Clock,
-    process_table: ProcessTable,
-    cpu_waits: CpuWaits,
+    host: ProcessHost,
     nvml: Nvml[Any] | None,
     topology: Topology,
-    start_time: Callable[[int], float],
     read_server_config: Callable[[int], Topology | None],
 ) -> Watchdog:
+    process_table = host.process_table
+    start_time = host.start_time
     probes = config.probes
     enabled = set(probes.enabled)
     if config.headless:
         # A headless stage server has no HTTP API to ask; its link to its master says
         # whether anything will send it work again.
         enabled = (enabled - HTTP_PROBES) | {MasterLinkProbe.name}
-    host = config.resolved_host()
-    target_url = f"headless://{host}" if config.headless else config.target
+    host_name = config.resolved_host()
+    target_url = f"headless://{host_name}" if config.headless else config.target
     port = urlparse(target_url).port or (443 if target_url.startswith("https") else 80)
     state_dir = config.resolved_state_dir()
     errors = InternalErrors()
@@ -161,9 +169,8 @@ def _assemble(
         topology=topology,
         start_time=start_time,
         server_topology=read_server_config,
-        # A pidfd names a process of this kernel; the pids of a fake table are not its.
-        exit_notices=ExitNotices(start_time) if process_table is psutil else None,
-        cpu_wait=cpu_waits,
+        exit_notices=host.exit_notices,
+        cpu_wait=host.cpu_waits,
     )
     # Without the process probe nothing records the senders' processes: spans are then
     # judged only against the topology.
@@ -185,11 +192,9 @@ def _assemble(
         remote_stages=frozenset(config.remote_stages),
         # Without a token (the loopback default), a sender of this host is looked up in
         # /proc: the pid a span claims must be the process whose connection it came on.
-        # Only a real table of this host's processes can tell; with a token, the token
-        # proves the sender (whoever holds it can ptrace the server anyway).
-        owners=SocketOwners()
-        if senders is None and process_table is psutil and not config.otlp_token
-        else None,
+        # Only a host whose kernel runs the table's processes can tell; with a token, the
+        # token proves the sender (whoever holds it can ptrace the server anyway).
+        owners=host.socket_owners if senders is None and not config.otlp_token else None,
     )
     gpu = GpuProbe(nvml, clock, tracker.stage_of) if nvml is not None else None
     if gpu is None and "gpu" in enabled:
@@ -222,10 +227,14 @@ def _assemble(
     )
     py_spy = find_py_spy()
     activity: ActivityProbe | None = None
-    if process_table is psutil:
-        # /proc and py-spy read this kernel's processes; a fake table's pids are not its.
+    if host.activity_proc is not None:
         activity = ActivityProbe(
-            clock, detector.silent_stages, tracker.live, py_spy, actuators.run_bounded
+            clock,
+            detector.silent_stages,
+            tracker.live,
+            py_spy,
+            actuators.run_bounded,
+            proc=host.activity_proc,
         )
         periodic.append((activity, probes.interval))
     link: MasterLinkProbe | None = None
@@ -317,7 +326,7 @@ def _assemble(
         sight=sight,
         detector=detector,
         operator=operator,
-        host=host,
+        host=host_name,
         link=link,
         activity=activity if ActivityProbe.name in enabled else None,
         reads=reads,
@@ -351,7 +360,6 @@ def _assemble(
         listeners=listeners,
         api=api,
         operator=operator,
-        exposition=exposition,
         exporters=tuple(exporters),
         traces=traces,
     )

@@ -8,10 +8,11 @@ and `Verdict`s, the policy only turns verdicts into ladder steps, and only
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
 
 
 class StageState(str, enum.Enum):
@@ -584,10 +585,12 @@ class TargetExit:
 
 @dataclass(frozen=True)
 class StageRequests:
-    """Admitted requests owed a span by one stage, and how many of them are overdue."""
+    """Admitted requests owed a span by one stage, how many of them are overdue, and how
+    long one may stay at the stage before it is (seconds: the floor, or learned)."""
 
     in_flight: int
     overdue: int
+    deadline: float
 
 
 @dataclass(frozen=True)
@@ -603,6 +606,8 @@ class DetectorReport:
     # The target as a whole (`PIPELINE`) while /health or the canary fails and no stage's
     # own readings answer for it; None otherwise.
     pipeline: StageStatus | None = None
+    # The server is idle and well (`rules.at_rest`): the watchdog judges less often.
+    at_rest: bool = False
 
 
 @dataclass(frozen=True)
@@ -905,6 +910,16 @@ class Probe(Protocol):
     async def collect(self) -> Sequence[Observation]: ...
 
 
+@runtime_checkable
+class RestingProbe(Probe, Protocol):
+    """A probe that knows better than its period when it next has something to read: it
+    rests until then, or until what it watches wakes it."""
+
+    async def rest(self, seconds: float) -> None:
+        """Return when the probe should look again; `seconds` is what its period leaves."""
+        ...
+
+
 class SpanSenders(Protocol):
     """Whom a span may speak for: the target's recorded processes and its stages.
 
@@ -1043,6 +1058,65 @@ class CpuWaits(Protocol):
         """The counter for `pid`; 0 when nothing says. `runnable`: its main thread is in
         state R now (running or waiting for a CPU)."""
         ...
+
+
+class ExitWatch(Protocol):
+    """The kernel's word that a watched process exited, as it happens
+    (`probes.exits.ExitNotices` holds a pidfd for each of this kernel's)."""
+
+    def watch(self, identities: Iterable[ProcessIdentity]) -> None:
+        """Watch `identities` (running processes), and none other."""
+        ...
+
+    async def rest(self, seconds: float) -> None:
+        """Return after `seconds`, or as soon as a watched process exits."""
+        ...
+
+    def scanning(self) -> None:
+        """A scan of the process table starts now: it sees every exit noticed so far."""
+        ...
+
+    def close(self) -> None:
+        """Stop watching every process."""
+        ...
+
+
+class SocketHolders(Protocol):
+    """Which process holds a connection's other end, from the socket tables and descriptor
+    links of this kernel (`probes.peers.SocketOwners`)."""
+
+    def peer_inode(self, peer: tuple[str, int], local: tuple[str, int]) -> int | None:
+        """The inode of the socket at `peer` connected to `local`; None if it is not in this
+        network namespace. OSError: the tables cannot be read."""
+        ...
+
+    def holders(self, inode: int, pids: Iterable[int]) -> tuple[set[int], set[int]]:
+        """Those of `pids` that hold the socket `inode`, and those whose descriptors this
+        process may not read."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProcessHost:
+    """The host whose processes are watched: its process table and the readers that go
+    with that table's pids.
+
+    The optional parts read what only the kernel that runs the processes can answer: a
+    table of another world (a test's fake, whose pids are not this kernel's) has none of
+    them, and what needs one is then not done. `exit_notices`: exits noticed as they
+    happen, else found by the next scan. `socket_owners`: a loopback span sender's pid
+    checked against its connection, else not checked. `activity_proc`: the /proc where a
+    silent stage's processes are read (and, by pid, py-spy samples their stacks), else no
+    activity probe runs. A host's readers keep what they read of its processes: one host
+    goes with one watchdog.
+    """
+
+    process_table: ProcessTable
+    cpu_waits: CpuWaits
+    start_time: Callable[[int], float]
+    exit_notices: ExitWatch | None = None
+    socket_owners: SocketHolders | None = None
+    activity_proc: Path | None = None
 
 
 class NvmlMemory(Protocol):

@@ -1,7 +1,8 @@
 """Fakes of the world the watchdog touches, so tests signal, scan and read nothing real.
 
 `FakePsutil` stands in for the process table (`types.ProcessTable`), `no_cpu_waits` for
-its processes' CPU waits (`types.CpuWaits`), `FakeNvml` for NVML (`types.Nvml`),
+its processes' CPU waits (`types.CpuWaits`), `fake_host` for the host of both
+(`types.ProcessHost`), `FakeNvml` for NVML (`types.Nvml`),
 `FakeSenders` for whom spans may speak for (`types.SpanSenders`).
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_watchdog.config import WatchdogConfig, load_config, merge_layers
-from omni_watchdog.types import ProcessInfo, ProcessRole, ProcessStatus, StageRef
+from omni_watchdog.types import ProcessHost, ProcessInfo, ProcessRole, ProcessStatus, StageRef
 
 # --- the process table ------------------------------------------------------------------
 
@@ -213,6 +214,12 @@ def no_cpu_waits(pid: int, runnable: bool) -> float:
     """The CPU waits of a `FakePsutil` table's processes: none. Its pids are not this
     kernel's, so reading theirs would read some other process's."""
     return 0.0
+
+
+def fake_host(table: FakePsutil) -> ProcessHost:
+    """The host of a `FakePsutil` table: its own start times, and none of the readers that
+    ask this kernel about a pid (exit notices, socket owners, /proc for activity)."""
+    return ProcessHost(process_table=table, cpu_waits=no_cpu_waits, start_time=table.start_time)
 
 
 def info(

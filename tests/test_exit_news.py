@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 from deadline import wait_for
-from fakes import FakeDevice, FakeNvml, FakePsutil, info, local_config, no_cpu_waits
+from fakes import FakeDevice, FakeNvml, FakePsutil, fake_host, info, local_config
 
 from omni_watchdog.app import ASKING_EVERY
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.probes.health import HealthProbe
+from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.types import (
     HealthOutcome,
     Observation,
@@ -58,14 +59,13 @@ def test_an_exit_asks_health_at_once_and_often_until_it_would_confirm_alone(
         watchdog = await build_watchdog(
             config,
             clock=SystemClock(),
-            process_table=FakePsutil(),
-            cpu_waits=no_cpu_waits,
+            host=fake_host(FakePsutil()),
             nvml=FakeNvml([FakeDevice(used=0, total=2**34, utilization=0)]),
         )
         engine = info(200, 100, ProcessRole.ENGINE, stage=0)
         exit_now = asyncio.Event()
 
-        async def tracker() -> Sequence[Observation]:
+        async def tracker(_: ProcessTracker) -> Sequence[Observation]:
             status = ProcessStatus.EXITED if exit_now.is_set() else ProcessStatus.SLEEPING
             process = dataclasses.replace(engine, status=status)
             return [
@@ -74,7 +74,7 @@ def test_an_exit_asks_health_at_once_and_often_until_it_would_confirm_alone(
                 )
             ]
 
-        watchdog.tracker.collect = tracker  # type: ignore[method-assign]
+        monkeypatch.setattr(ProcessTracker, "collect", tracker)
         await watchdog.start()
         try:
             await wait_for(lambda: asked, 5)

@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
-from fakes import FakeDevice, FakeNvml, FakePsutil, no_cpu_waits
+from fakes import FakeDevice, FakeNvml, FakePsutil, fake_host, local_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import load_config
 from omni_watchdog.exporters.prometheus import FAMILY_NAMES
-from omni_watchdog.factory import build_watchdog
+from omni_watchdog.factory import build_watchdog, this_host
+from omni_watchdog.probes.activity import ActivityProbe
+from omni_watchdog.types import ProcessHost
 
 
 def test_a_built_watchdog_renders_and_serves_before_it_starts(tmp_path: Path) -> None:
@@ -37,13 +39,12 @@ def test_a_built_watchdog_renders_and_serves_before_it_starts(tmp_path: Path) ->
         watchdog = await build_watchdog(
             config,
             clock=FakeClock(1000.0, 1_700_000_000.0),
-            process_table=FakePsutil(),
-            cpu_waits=no_cpu_waits,
+            host=fake_host(FakePsutil()),
             nvml=FakeNvml([FakeDevice(used=2**30, total=2**34, utilization=0)]),
         )
         try:
-            body = watchdog.exposition.render().decode()
-            async with TestClient(TestServer(watchdog.api.app())) as client:
+            async with TestClient(TestServer(watchdog.api_app())) as client:
+                body = await (await client.get("/metrics")).text()
                 healthz = await client.get("/healthz")
                 status = await (await client.get("/v1/status")).json()
             return body, healthz.status, status
@@ -67,3 +68,44 @@ def test_a_built_watchdog_renders_and_serves_before_it_starts(tmp_path: Path) ->
         f'omni_watchdog_stage_state{{stage="0",stage_name="engine",replica="0",host="{host}",'
         'state="starting"} 1' in body
     )
+
+
+def kernel_readers_run(host: ProcessHost, state: Path) -> set[str]:
+    """Which of the readers that ask the kernel about a pid a watchdog built over `host` runs."""
+
+    async def scenario() -> set[str]:
+        watchdog = await build_watchdog(
+            local_config(state),
+            clock=FakeClock(1000.0, 1_700_000_000.0),
+            host=host,
+            nvml=FakeNvml([FakeDevice(used=0, total=2**34, utilization=0)]),
+        )
+        try:
+            runs = {
+                "exit_notices": watchdog._tracker._exits is not None,
+                "socket_owners": watchdog._receiver._endpoint._connections is not None,
+                "activity": any(
+                    probe.name == ActivityProbe.name for probe, _ in watchdog._periodic
+                ),
+            }
+            return {reader for reader, running in runs.items() if running}
+        finally:
+            await watchdog.stop()
+
+    return asyncio.run(scenario())
+
+
+def test_a_fake_host_gets_no_reader_that_asks_this_kernel_about_its_pids(
+    tmp_path: Path,
+) -> None:
+    # A fake table's pids are not this kernel's: a pidfd, a socket's owner or a /proc read
+    # of one of them would be some other process's.
+    assert kernel_readers_run(fake_host(FakePsutil()), tmp_path / "state") == set()
+
+
+def test_this_host_gets_every_reader_of_this_kernel(tmp_path: Path) -> None:
+    assert kernel_readers_run(this_host(), tmp_path / "state") == {
+        "exit_notices",
+        "socket_owners",
+        "activity",
+    }

@@ -12,10 +12,12 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from fakes import FakeDevice, FakeNvml, FakePsutil, local_config, no_cpu_waits
+import pytest
+from fakes import FakeDevice, FakeNvml, FakePsutil, fake_host, local_config
 
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.factory import build_watchdog
+from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.tasks import end_tasks
 from omni_watchdog.types import Observation
 
@@ -85,21 +87,22 @@ def test_a_loop_that_failed_is_not_reported_as_never_retrieved() -> None:
     assert reported == []
 
 
-def test_a_watchdog_whose_probe_loop_lost_its_cancellation_still_stops(tmp_path: Path) -> None:
+def test_a_watchdog_whose_probe_loop_lost_its_cancellation_still_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = local_config(tmp_path / "state")
 
     async def scenario() -> tuple[bool, int]:
         watchdog = await build_watchdog(
             config,
             clock=FakeClock(1000.0, 1_700_000_000.0),
-            process_table=FakePsutil(),
-            cpu_waits=no_cpu_waits,
+            host=fake_host(FakePsutil()),
             nvml=FakeNvml([FakeDevice(used=0, total=2**34, utilization=0)]),
         )
         entered = asyncio.Event()
         cancellations = 0
 
-        async def collect() -> Sequence[Observation]:
+        async def collect(_: ProcessTracker) -> Sequence[Observation]:
             nonlocal cancellations
             entered.set()
             while True:
@@ -113,7 +116,7 @@ def test_a_watchdog_whose_probe_loop_lost_its_cancellation_still_stops(tmp_path:
                     # had just finished, and its loop goes round again.
                     return []
 
-        watchdog.tracker.collect = collect  # type: ignore[method-assign]
+        monkeypatch.setattr(ProcessTracker, "collect", collect)
         await watchdog.start()
         await entered.wait()
         # Not `wait_for`: cancelling a stop that hangs would hand its loop the second

@@ -32,6 +32,7 @@ from dataclasses import replace
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector.evidence import (
     TargetEvidence,
+    deadline,
     gpu_held,
     overdue_count,
     own_evidence,
@@ -45,7 +46,7 @@ from omni_watchdog.detector.memory import (
     load,
     progressing,
 )
-from omni_watchdog.detector.silence import excused, update_cause
+from omni_watchdog.detector.silence import excused, silent, update_cause
 from omni_watchdog.detector.starved import (
     WAIT_WORTH_SAYING,
     busiest_runner,
@@ -185,11 +186,44 @@ def evaluate(config: DetectionConfig, target: TargetMemory, now: float) -> Detec
     verdicts.extend(head_verdict(config, target, statuses, now))
     requests = {
         stage_id: StageRequests(
-            target.pending.in_flight(stage_id), overdue_count(config, target, stage_id, now)
+            target.pending.in_flight(stage_id),
+            overdue_count(config, target, stage_id, now),
+            deadline(config, target, stage_id),
         )
         for stage_id in sorted({ref.stage_id for ref in target.stages})
     }
-    return DetectorReport(now, warm, tuple(statuses), tuple(verdicts), exited, requests, pipeline)
+    return DetectorReport(
+        now,
+        warm,
+        tuple(statuses),
+        tuple(verdicts),
+        exited,
+        requests,
+        pipeline,
+        at_rest=warm and not verdicts and at_rest(config, target, now),
+    )
+
+
+def at_rest(config: DetectionConfig, target: TargetMemory, now: float) -> bool:
+    """Whether the server is idle and well: every stage and the pipeline healthy and
+    beating, no request owed and no image denoising at any stage, /health and the canary
+    answering, its root alive. Only news can then change a verdict, so the watchdog may
+    judge less often (see `app`). Load gauges are not asked: vLLM-Omni 0.30 leaves them at
+    its last batch's counts, and a stage flat under load is judged when `next_due` says."""
+    if (
+        len(target.pending) > 0
+        or target.root_exited_at is not None
+        or target.health_failures > 0
+        or target.canary_failed_at is not None
+        or target.pipeline_state is not StageState.HEALTHY
+    ):
+        return False
+    return all(
+        memory.state is StageState.HEALTHY
+        and not memory.denoising
+        and not silent(config, target, ref, memory, now)
+        for ref, memory in target.stages.items()
+    )
 
 
 def warmed_up(config: DetectionConfig, target: TargetMemory, now: float) -> bool:

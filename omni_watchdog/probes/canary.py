@@ -73,6 +73,15 @@ class CanaryProbe:
             return False
         return self._last_sent is None or now - self._last_sent >= interval
 
+    async def rest(self, seconds: float) -> None:
+        """Wait `seconds`, and on until a canary can next be due. Progress and canaries
+        only move that moment later, so looking then is never late; once due, the plan is
+        asked every `seconds`."""
+        now = self._clock.monotonic()
+        marks = [mark for mark in (self._last_progress(), self._last_sent) if mark is not None]
+        until_due = max(marks) + self._config.canary_interval - now if marks else 0.0
+        await asyncio.sleep(max(seconds, until_due))
+
     async def collect(self) -> Sequence[Observation]:
         if not self.due():
             return []

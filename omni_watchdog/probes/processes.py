@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omni_watchdog import process_start
-from omni_watchdog.probes.exits import ExitNotices
 from omni_watchdog.redact import redact_argv
 from omni_watchdog.topology import observed_topology
 from omni_watchdog.types import (
@@ -26,6 +25,7 @@ from omni_watchdog.types import (
     LLM_STAGE_TITLE,
     Clock,
     CpuWaits,
+    ExitWatch,
     Observation,
     ObservationKind,
     ProbeError,
@@ -155,7 +155,7 @@ class ProcessTracker:
         start_time: Callable[[int], float] = process_start.start_time,
         start_time_of_ticks: Callable[[int], float] = process_start.start_time_of_ticks,
         server_topology: Callable[[int], Topology | None] = lambda pid: None,
-        exit_notices: ExitNotices | None = None,
+        exit_notices: ExitWatch | None = None,
         headless: bool = False,
         cpu_wait: CpuWaits = lambda pid, runnable: 0.0,
     ) -> None:

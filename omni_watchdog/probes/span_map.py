@@ -239,6 +239,11 @@ class SpanMapper:
             self._finish(resource_spans, resource, trust, walk, observations)
         return well_formed, malformed
 
+    @property
+    def holds_spans(self) -> bool:
+        """Whether spans wait for their sender or stage (see `settle`)."""
+        return self._held.any
+
     def settle(self) -> list[Observation]:
         """Release the held spans of senders recorded since and of stages known since,
         refusing those past their grace; the observations they give."""

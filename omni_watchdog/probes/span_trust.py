@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from omni_watchdog.log import log_event
 from omni_watchdog.probes.otlp_decode import ResourceInfo
-from omni_watchdog.probes.peers import SocketOwners, is_loopback
+from omni_watchdog.probes.peers import is_loopback
 from omni_watchdog.probes.span_store import MAX_SPAN_BYTES, compact_span
 from omni_watchdog.semconv import (
     HOST_NAME,
@@ -32,7 +32,7 @@ from omni_watchdog.semconv import (
     VLLM_OMNI_REQUEST_SPAN,
     VLLM_REQUEST_SPAN,
 )
-from omni_watchdog.types import Clock, Observation, SpanSenders, StageRef
+from omni_watchdog.types import Clock, Observation, SocketHolders, SpanSenders, StageRef
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class ConnectionSender:
     believed, as without the check, and `cannot_check` is called."""
 
     def __init__(
-        self, inode: int | None, owners: SocketOwners, cannot_check: Callable[[str], None]
+        self, inode: int | None, owners: SocketHolders, cannot_check: Callable[[str], None]
     ) -> None:
         self._inode = inode
         self._owners = owners
@@ -127,7 +127,7 @@ class ConnectionSenders:
     """The process end of each open connection, looked up once per connection in the
     socket tables and /proc (`owners`)."""
 
-    def __init__(self, owners: SocketOwners) -> None:
+    def __init__(self, owners: SocketHolders) -> None:
         self._owners = owners
         # Each open connection's sender (None: not on this host, or not to be checked).
         self._connections: weakref.WeakKeyDictionary[object, ConnectionSender | None] = (
@@ -397,6 +397,11 @@ class HeldSpans:
             self._count -= held.count
             yield held, True
         self.unplaced = still
+
+    @property
+    def any(self) -> bool:
+        """Whether spans are held: they are settled only when the receiver is collected."""
+        return bool(self.waiting or self.unplaced)
 
     def settle_waiting(self, now: float, trust: SenderTrust) -> list[WaitingSpans]:
         """The held spans of senders recorded since, let go; those past their grace are

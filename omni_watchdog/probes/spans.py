@@ -10,6 +10,8 @@ collector. A body goes one way: `otlp_transport` reads it, `otlp_decode` decodes
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import deque
 
 from aiohttp import web
@@ -17,7 +19,6 @@ from aiohttp import web
 from omni_watchdog.config import SpansConfig
 from omni_watchdog.probes.otlp_decode import OtlpError, check_decodable, decode_export
 from omni_watchdog.probes.otlp_transport import IngestResult, TracesEndpoint
-from omni_watchdog.probes.peers import SocketOwners
 from omni_watchdog.probes.span_forward import SpanForwarder
 from omni_watchdog.probes.span_map import SpanMapper
 from omni_watchdog.probes.span_store import SpanStore
@@ -28,8 +29,11 @@ from omni_watchdog.probes.span_trust import (
     HeldSpans,
     SenderTrust,
 )
-from omni_watchdog.types import Clock, Observation, ReceiverStats, SpanSenders
+from omni_watchdog.types import Clock, Observation, ReceiverStats, SocketHolders, SpanSenders
 
+# The longest a receiver with nothing new rests: it is woken by news, so this only bounds
+# what a missed wake-up could cost.
+QUIET_REST = 1.0
 REJECTION_REASONS = (
     "malformed_id",
     "decode_error",
@@ -82,7 +86,7 @@ class SpanReceiver:
         boot_id: str = "",
         sender_grace: float = SENDER_GRACE_SECONDS,
         remote_stages: frozenset[int] = frozenset(),
-        owners: SocketOwners | None = None,
+        owners: SocketHolders | None = None,
     ) -> None:
         """`remote_stages`: stage ids on other hosts, whose spans come from processes this
         host cannot check; they are taken only with the token, and only for those stages.
@@ -94,6 +98,7 @@ class SpanReceiver:
         self.store = store
         self._forwarder = forwarder
         self._batches: deque[list[Observation]] = deque()
+        self._news = asyncio.Event()
         self._rejected = dict.fromkeys(REJECTION_REASONS, 0)
         self._trust = SenderTrust(senders, clock, boot_id=boot_id, remote_stages=remote_stages)
         self._mapper = SpanMapper(
@@ -128,6 +133,7 @@ class SpanReceiver:
     async def collect(self) -> list[Observation]:
         """The observations decoded since the last call, oldest first, with those of
         waiting senders the tracker has recorded since."""
+        self._news.clear()
         settled = self._mapper.settle()
         if settled:
             self._batches.append(settled)
@@ -136,6 +142,17 @@ class SpanReceiver:
         while batches:
             observations.extend(batches.popleft())
         return observations
+
+    async def rest(self, seconds: float) -> None:
+        """Wait `seconds`, then for a body that brings observations: a receiver with
+        nothing new is not collected at all. While spans are held for their sender or
+        stage, every `seconds`: they are settled only when collected. `QUIET_REST` bounds
+        the wait all the same."""
+        await asyncio.sleep(seconds)
+        if self._news.is_set() or self._mapper.holds_spans:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._news.wait(), max(0.0, QUIET_REST - seconds))
 
     def app(self) -> web.Application:
         """The aiohttp application serving `POST /v1/traces`; serve it with
@@ -179,6 +196,7 @@ class SpanReceiver:
         )
         if observations:
             self._batches.append(observations)
+            self._news.set()
         self._rejected["malformed_id"] += malformed
         # Upstream gets all the server's spans, not only those that are evidence here.
         if self._forwarder is not None and well_formed:

@@ -410,6 +410,10 @@ def test_span_deadline_adapts_to_the_stage_p99() -> None:
         )
     assert detector.deadline(1) == pytest.approx(4.0 * 5.99)
     assert detector.deadline(0) == CONFIG.overdue_floor
+    # The report tells each stage's deadline: how long before a waiting request is overdue.
+    requests = detector.evaluate(clock.monotonic()).requests
+    assert requests[1].deadline == pytest.approx(4.0 * 5.99)
+    assert requests[0].deadline == CONFIG.overdue_floor
 
 
 def test_overdue_span_is_evidence_on_the_stage_the_request_waits_at() -> None:

@@ -18,10 +18,22 @@ from deadline import wait_for
 from ports import free_port
 
 from omni_watchdog import demo
-from omni_watchdog.config import PROBES, merge_layers
+from omni_watchdog.app import Watchdog
+from omni_watchdog.config import PROBES, DetectionConfig, load_config, merge_layers
 from omni_watchdog.demo import closed_incident, send_request
+from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.sim.launcher import SimProcess
-from omni_watchdog.types import IncidentOutcome, StageRef, StageState, StepName, StepOutcome
+from omni_watchdog.types import (
+    Incident,
+    IncidentOutcome,
+    ProcessInfo,
+    ProcessStatus,
+    StageRef,
+    StageRequests,
+    StageState,
+    StepName,
+    StepOutcome,
+)
 
 FAST: dict[str, Any] = {
     "detection": {
@@ -85,18 +97,18 @@ ACCEPTED = {StepOutcome.RECOVERED, StepOutcome.NOT_RECOVERED}
 WARM_UP_LIMIT = 90.0
 
 
-async def warmed_up(watchdog: Any, judged_after: float | None = None) -> None:
+async def warmed_up(watchdog: Watchdog, judged_after: float | None = None) -> None:
     """Warm, and the server's processes recorded where they can be (a fault may end one
     at once). `judged_after` (the watchdog's clock) asks for an evaluation made after that
     moment: after a re-attach, the report standing is the old server's, warm."""
-    scans = "processes" in watchdog.config.probes.enabled
+    scans = any(probe.name == ProcessTracker.name for probe in watchdog.state.probes)
     try:
         await wait_for(
             lambda: (
                 watchdog.state.report
                 and (judged_after is None or watchdog.state.report.time > judged_after)
                 and watchdog.state.report.warmed_up
-                and (watchdog.tracker.generation > 0 or not scans)
+                and (watchdog.state.target.generation > 0 or not scans)
             ),
             WARM_UP_LIMIT,
         )
@@ -105,16 +117,16 @@ async def warmed_up(watchdog: Any, judged_after: float | None = None) -> None:
         raise AssertionError(
             f"not warm after {WARM_UP_LIMIT:g}s: judged {report is not None},"
             f" warm {report is not None and report.warmed_up},"
-            f" process scans {watchdog.tracker.generation},"
+            f" process scans {watchdog.state.target.generation},"
             f" self-health {watchdog.state.self_health}"
         ) from error
 
 
-async def judged_for(watchdog: Any, seconds: float, slack: float = 60.0) -> None:
+async def judged_for(watchdog: Watchdog, seconds: float, slack: float = 60.0) -> None:
     """Wait until the watchdog has judged `seconds` of time it could see from now on: an
     evaluation made that much later, its own blind spells not counted, as the detector
     counts none of them against the server. Fails `slack` seconds after that was due."""
-    since = watchdog.clock.monotonic()
+    since = time.monotonic()  # the watchdogs these tests attach run on the system clock
     blind_before = watchdog.state.self_health.blind_seconds
 
     def judged() -> float:
@@ -141,7 +153,7 @@ async def attached(
     sim_args: list[str] | None = None,
     sim_env: Mapping[str, str] | None = None,
     stage_config: Path | None = None,
-) -> AsyncIterator[tuple[Any, SimProcess]]:
+) -> AsyncIterator[tuple[Watchdog, SimProcess]]:
     """`omni_watchdog.demo.attached`, the simulated server on a port of this test worker's;
     a failed test shows what the watchdog judged and the server's log."""
     async with demo.attached(
@@ -156,7 +168,7 @@ async def attached(
         yield attachment
 
 
-def state(watchdog: Any, stage: StageRef) -> StageState | None:
+def state(watchdog: Watchdog, stage: StageRef) -> StageState | None:
     report = watchdog.state.report
     return next((s.state for s in report.statuses if s.stage == stage), None) if report else None
 
@@ -184,7 +196,16 @@ def run_scenario(scenario: Coroutine[Any, Any, Any], limit: float = 240.0) -> An
     return asyncio.run(bounded())
 
 
-def worse_than_degraded(watchdog: Any, stages: Any) -> list[str]:
+async def metrics(watchdog: Watchdog) -> str:
+    """The body of the watchdog's /metrics, as Prometheus scrapes it."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{watchdog.api_port}/metrics") as response,
+    ):
+        return await response.text()
+
+
+def worse_than_degraded(watchdog: Watchdog, stages: Any) -> list[str]:
     """Each of `stages` the last evaluation did not judge healthy or degraded, with its
     evidence: what a test that must never see one prints when it does."""
     report = watchdog.state.report
@@ -200,12 +221,15 @@ def worse_than_degraded(watchdog: Any, stages: Any) -> list[str]:
     return found
 
 
-async def all_healthy(watchdog: Any, timeout: float) -> None:
+async def all_healthy(watchdog: Watchdog, timeout: float) -> None:
     """Wait until the last evaluation judged every stage healthy; if it never does, say
     which stages were not, with their evidence, and how loaded the host was."""
     try:
         await wait_for(
-            lambda: all(s.state is StageState.HEALTHY for s in watchdog.state.report.statuses),
+            lambda: (
+                (report := watchdog.state.report) is not None
+                and all(s.state is StageState.HEALTHY for s in report.statuses)
+            ),
             timeout,
         )
     except AssertionError as error:
@@ -225,7 +249,7 @@ async def all_healthy(watchdog: Any, timeout: float) -> None:
 
 
 async def note_worse_than_degraded(
-    watchdog: Any, stages: Any, found: list[str], interval: float = 0.1
+    watchdog: Watchdog, stages: Any, found: list[str], interval: float = 0.1
 ) -> None:
     """Until cancelled, add to `found` each new verdict worse than degraded, with when it
     came and how loaded the host was: a test that must never see one shows each it saw,
@@ -239,7 +263,7 @@ async def note_worse_than_degraded(
                 # Each process's CPU wait as last read: whether the starvation rule saw any.
                 waits = {
                     f"{info.pid} {info.stage}": round(info.cpu_wait_seconds, 2)
-                    for info in watchdog.tracker.live()
+                    for info in live_processes(watchdog)
                 }
                 found.append(
                     f"{line} [at {time.monotonic():.1f}, load {' '.join(load)}, waits {waits}]"
@@ -247,13 +271,13 @@ async def note_worse_than_degraded(
         await asyncio.sleep(interval)
 
 
-def watchdog_account(watchdog: Any) -> str:
+def watchdog_account(watchdog: Watchdog) -> str:
     """What a failed test prints of a watchdog: each stage's last state with its evidence,
     every incident with its verdicts and steps, and its own health."""
     report = watchdog.state.report
-    spans = watchdog.receiver.stats
+    spans = watchdog.state.receiver
     refused = {reason: n for reason, n in spans.spans_rejected.items() if n}
-    topology = watchdog.topology
+    topology = watchdog.state.topology
     lines = [
         f"self-health: {watchdog.state.self_health}",
         f"spans: {spans.spans_accepted} accepted, refused {refused or 'none'}, requests"
@@ -274,7 +298,7 @@ def watchdog_account(watchdog: Any) -> str:
                 f"  {status.stage} {status.state.value}{doing}{errors}"
                 + (f" ({evidence})" if evidence else "")
             )
-    incidents = watchdog.policy.incidents()
+    incidents = watchdog.state.remediation.incidents
     lines.append(f"{len(incidents)} incident(s)")
     lines += described(incidents)
     return "\n".join(lines)
@@ -296,14 +320,64 @@ def described(incidents: Any) -> list[str]:
     ]
 
 
-async def incident_done(watchdog: Any, timeout: float = 40.0) -> Any:
+async def incident_done(watchdog: Watchdog, timeout: float = 40.0) -> Any:
     return await wait_for(lambda: closed_incident(watchdog), timeout)
 
 
-def closed_by_id(watchdog: Any, incident_id: str) -> Any:
+def incident_by_id(watchdog: Watchdog, incident_id: str) -> Incident | None:
+    """The incident as of the last evaluation; None before it was opened."""
+    incidents = watchdog.state.remediation.incidents
+    return next((i for i in incidents if i.incident_id == incident_id), None)
+
+
+def held_back(watchdog: Watchdog, incident_id: str) -> bool:
+    """Whether a maintenance pause holds the incident's remediation back."""
+    incident = incident_by_id(watchdog, incident_id)
+    return incident is not None and "held" in incident.timeline
+
+
+def closed_by_id(watchdog: Watchdog, incident_id: str) -> Incident | None:
     """The incident, once it has closed; None before."""
-    incident = watchdog.policy.incident(incident_id)
+    incident = incident_by_id(watchdog, incident_id)
     return incident if incident is not None and incident.closed is not None else None
+
+
+async def incidents_now(watchdog: Watchdog, timeout: float = 10.0) -> tuple[Incident, ...]:
+    """The incidents as of an evaluation made after this call. The state is published
+    once per evaluation: read at once, it may predate what the test just did or saw, and
+    a check that there is no incident could pass early."""
+    asked = time.monotonic()  # the watchdogs these tests attach run on the system clock
+
+    def evaluated_since() -> bool:
+        last = watchdog.state.self_health.last_evaluation
+        return last is not None and last > asked
+
+    await wait_for(evaluated_since, timeout)
+    return watchdog.state.remediation.incidents
+
+
+def live_processes(watchdog: Watchdog) -> list[ProcessInfo]:
+    """The server's processes as of the last evaluation, those that exited left out."""
+    return [p for p in watchdog.state.processes if p.status is not ProcessStatus.EXITED]
+
+
+def last_heartbeat(watchdog: Watchdog, stage: StageRef) -> float | None:
+    """When the stage's last heartbeat landed, as of the last evaluation."""
+    report = watchdog.state.report
+    statuses = report.statuses if report is not None else ()
+    return next((s.last_heartbeat for s in statuses if s.stage == stage), None)
+
+
+def stage_requests(watchdog: Watchdog, stage_id: int) -> StageRequests:
+    """The stage's waiting requests as of the last evaluation."""
+    report = watchdog.state.report
+    assert report is not None, "never judged"
+    return report.requests[stage_id]
+
+
+def detection_of(overrides: Mapping[str, Any]) -> DetectionConfig:
+    """The detection settings a watchdog attached with `overrides` judges by."""
+    return load_config(environ={}, overrides=overrides).detection
 
 
 def steps_of(incident: Any) -> str:
@@ -344,7 +418,7 @@ OPERATOR_TOKEN = "on-call-token"
 
 
 async def oncall(
-    watchdog: Any, *args: str, token: str | None = OPERATOR_TOKEN
+    watchdog: Watchdog, *args: str, token: str | None = OPERATOR_TOKEN
 ) -> tuple[int, str, str]:
     """`omni-watchdog ARGS --watchdog <its API>` as on-call types it: exit code, stdout,
     stderr; the operator token in its environment unless `token` is None."""

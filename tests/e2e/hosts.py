@@ -26,7 +26,7 @@ import aiohttp
 import psutil
 import yaml
 from deadline import wait_for
-from e2e.harness import FAST, SIM_ENV, warmed_up
+from e2e.harness import FAST, SIM_ENV, live_processes, warmed_up
 from ports import free_port
 
 from omni_watchdog.app import Watchdog
@@ -212,7 +212,7 @@ class Head:
 
     def processes_alive(self) -> bool:
         """Every process of the head's tree as the watchdog recorded it still runs."""
-        return all(psutil.pid_exists(p.pid) for p in self.watchdog.tracker.live())
+        return all(psutil.pid_exists(p.pid) for p in live_processes(self.watchdog))
 
 
 @asynccontextmanager

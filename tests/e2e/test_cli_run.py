@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -117,11 +118,12 @@ def test_a_crashed_server_is_recorded_and_its_successor_attached(tmp_path: Path)
                 tmp_path / "successor", [], "0.11", env=server.env, port=server.port
             )
             try:
-                await wait_for(lambda: watchdog.tracker.generation == 2, 30)
-                assert watchdog.tracker.root.pid == successor.process.pid != first_pid
-                await warmed_up(watchdog, judged_after=watchdog.clock.monotonic())
+                await wait_for(lambda: watchdog.state.target.generation == 2, 30)
+                root = watchdog.state.target.root
+                assert root is not None and root.pid == successor.process.pid != first_pid
+                await warmed_up(watchdog, judged_after=time.monotonic())
                 await all_healthy(watchdog, 20)
-                assert len(watchdog.policy.incidents()) == 1
+                assert len(watchdog.state.remediation.incidents) == 1
             finally:
                 successor.stop()
 

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import stat
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,15 @@ from e2e.harness import (
     RECOVERED,
     SIM_ENV,
     attached,
+    detection_of,
     in_background,
     incident_done,
+    incidents_now,
     judged_for,
+    live_processes,
+    metrics,
     run_scenario,
+    stage_requests,
     step,
     steps_of,
     warmed_up,
@@ -37,6 +43,7 @@ from omni_watchdog.app import Watchdog
 from omni_watchdog.clock import SystemClock
 from omni_watchdog.config import merge_layers
 from omni_watchdog.demo import demo_config
+from omni_watchdog.detector import Detector
 from omni_watchdog.exporters.views import target_health
 from omni_watchdog.factory import build_watchdog
 from omni_watchdog.policy.incidents import TargetLock, lock_dir_for
@@ -59,18 +66,16 @@ pytestmark = pytest.mark.e2e
 S0, S1 = StageRef(0), StageRef(1)
 
 
-def refused_more(watchdog: Any, before: Mapping[str, int]) -> bool:
+def refused_more(watchdog: Watchdog, before: Mapping[str, int]) -> bool:
     """Whether the receiver has refused more spans since `before` for both reasons a forger
     gets: a sender outside the target's tree, and a stage it does not have."""
-    now = watchdog.receiver.stats.spans_rejected
+    now = watchdog.state.receiver.spans_rejected
     reasons = ("unknown_sender", "unknown_stage")
     return all(now.get(reason, 0) > before.get(reason, 0) for reason in reasons)
 
 
-async def metrics_series(watchdog: Any) -> int:
-    url = f"http://127.0.0.1:{watchdog.api_port}/metrics"
-    async with aiohttp.ClientSession() as session, session.get(url) as response:
-        text = await response.text()
+async def metrics_series(watchdog: Watchdog) -> int:
+    text = await metrics(watchdog)
     return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
 
 
@@ -82,7 +87,7 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
         ):
             await warmed_up(watchdog)
             series = await metrics_series(watchdog)
-            refused_before = watchdog.receiver.stats.spans_rejected
+            refused_before = watchdog.state.receiver.spans_rejected
             stop = asyncio.Event()
             # Heartbeats and admissions that would each make a stage look stalled if
             # believed: for stages the server has, and for 500 it does not.
@@ -97,21 +102,21 @@ def test_forged_spans_and_invented_stages_do_not_harm_a_healthy_server(tmp_path:
                 await wait_for(lambda: refused_more(watchdog, refused_before), 30)
             except AssertionError as error:
                 raise AssertionError(
-                    f"forgeries not refused: {watchdog.receiver.stats.spans_rejected}"
+                    f"forgeries not refused: {watchdog.state.receiver.spans_rejected}"
                 ) from error
-            refused_from = watchdog.receiver.stats.spans_rejected
+            refused_from = watchdog.state.receiver.spans_rejected
             # A believed admission is owed a span by stage 0, overdue after its deadline
             # (the overdue floor at least) and judged once that stood confirm_timeout.
-            confirm = watchdog.config.detection.confirm_timeout
-            await judged_for(watchdog, watchdog.detector.deadline(0) + confirm)
+            confirm = detection_of(FAST).confirm_timeout
+            await judged_for(watchdog, stage_requests(watchdog, 0).deadline + confirm)
             stop.set()
             assert min(await asyncio.gather(*forgers)) > 10
-            assert watchdog.policy.incidents() == []
+            assert await incidents_now(watchdog) == ()
             assert target_health(watchdog.state)[0] == 200
             # Forged all along, not only at first.
-            assert refused_more(watchdog, refused_from), watchdog.receiver.stats.spans_rejected
+            assert refused_more(watchdog, refused_from), watchdog.state.receiver.spans_rejected
             # The canary's own request may still be on its way through: only it counts.
-            await wait_for(lambda: watchdog.detector.in_flight(0) == 0, 10)
+            await wait_for(lambda: stage_requests(watchdog, 0).in_flight == 0, 10)
             assert await metrics_series(watchdog) == series
 
     run_scenario(scenario())
@@ -149,15 +154,17 @@ def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: st
             server,
         ):
             await warmed_up(watchdog)
-            engine = next(p for p in watchdog.tracker.live() if p.stage == S0).pid
+            engine = next(p for p in live_processes(watchdog) if p.stage == S0).pid
             claimed = {
                 "outsider": [],
                 "the stage's own process": [engine],
                 "the stage's own process and the API server's": [engine, server.process.pid],
                 "a holder of the OTLP token": [engine, server.process.pid],
             }[forger]
-            senders = [{PROCESS_PID: pid, **sender_attributes(pid)} for pid in claimed]
-            refused_before = dict(watchdog.receiver.stats.spans_rejected)
+            senders: list[dict[str, object]] = [
+                {PROCESS_PID: pid, **sender_attributes(pid)} for pid in claimed
+            ]
+            refused_before = dict(watchdog.state.receiver.spans_rejected)
             stop = asyncio.Event()
             url = traces_url(watchdog)
             forging = [
@@ -174,7 +181,7 @@ def test_forged_spans_do_not_hide_a_stall(tmp_path: Path, fault: str, forger: st
                 taken = await asyncio.gather(*forging)
             (verdict,) = incident.verdicts
             assert (verdict.stage, verdict.state) == (S0, StageState.STALLED), incident.cause
-            refused = watchdog.receiver.stats.spans_rejected
+            refused = watchdog.state.receiver.spans_rejected
             if token:
                 # Taken all along, and outweighed.
                 assert min(taken) > 10 and refused == refused_before, (taken, refused)
@@ -318,8 +325,12 @@ def test_a_full_disk_never_holds_the_ladder_back(tmp_path: Path) -> None:
             # terminated, the outcome either way counted.
             outcome = incident.outcome.value
             recovered = f'omni_watchdog_incidents_total{{outcome="{outcome}"}} 1'
+
             # The exporter counts a closed incident at the next evaluation (every 0.25 s).
-            await wait_for(lambda: recovered in watchdog.exposition.render().decode(), 15)
+            async def counted() -> bool:
+                return recovered in await metrics(watchdog)
+
+            await wait_for(counted, 15)
             async with aiohttp.ClientSession() as session:
                 async with session.get(url + "/metrics") as response:
                     text = await response.text()
@@ -355,7 +366,7 @@ def test_a_symlink_planted_at_the_lock_path_is_never_followed(tmp_path: Path) ->
     async def scenario() -> None:
         async with server_and_watchdog(tmp_path, [], {}, plant) as (watchdog, server):
             await warmed_up(watchdog)
-            status = watchdog.policy.lock_status()
+            status = watchdog.state.remediation.lock
             assert not status.held and "symbolic link" in status.conflict
             url = f"http://127.0.0.1:{watchdog.api_port}"
             async with aiohttp.ClientSession() as session:
@@ -373,7 +384,7 @@ def test_a_symlink_planted_at_the_lock_path_is_never_followed(tmp_path: Path) ->
     run_scenario(scenario())
 
 
-async def healthz(watchdog: Any) -> int:
+async def healthz(watchdog: Watchdog) -> int:
     url = f"http://127.0.0.1:{watchdog.api_port}/healthz"
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         return response.status
@@ -381,11 +392,12 @@ async def healthz(watchdog: Any) -> int:
 
 def evaluation_age(watchdog: Watchdog) -> float:
     last = watchdog.state.self_health.last_evaluation
-    return float("inf") if last is None else watchdog.clock.monotonic() - last
+    # The watchdogs here run on the system clock.
+    return float("inf") if last is None else time.monotonic() - last
 
 
 def test_loops_survive_their_errors_and_healthz_tells_when_judging_stops(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def scenario() -> None:
         async with attached(tmp_path, [], "0.30", "observe", FAST, None, SIM_ENV) as (
@@ -393,20 +405,21 @@ def test_loops_survive_their_errors_and_healthz_tells_when_judging_stops(
             _,
         ):
             await warmed_up(watchdog)
-            detector = watchdog.detector
-            evaluate, observe = detector.evaluate, detector.observe
+            # The class, not the watchdog's detector: the only one in this process.
+            evaluate, observe = Detector.evaluate, Detector.observe
             left = [3]
 
-            def flaky_evaluate(now: float) -> Any:
+            def flaky_evaluate(detector: Detector, now: float) -> Any:
                 if left[0] > 0:
                     left[0] -= 1
                     raise RuntimeError("a bug in judging")
-                return evaluate(now)
+                return evaluate(detector, now)
 
-            def broken_observe(observations: Any) -> None:
+            def broken_observe(detector: Detector, observations: Any) -> None:
                 raise ValueError("a bug in taking observations")
 
-            detector.evaluate, detector.observe = flaky_evaluate, broken_observe
+            monkeypatch.setattr(Detector, "evaluate", flaky_evaluate)
+            monkeypatch.setattr(Detector, "observe", broken_observe)
             await wait_for(
                 lambda: (
                     watchdog.state.self_health.internal_errors["evaluate"] == 3
@@ -414,16 +427,16 @@ def test_loops_survive_their_errors_and_healthz_tells_when_judging_stops(
                 ),
                 10,
             )
-            detector.observe = observe
+            monkeypatch.setattr(Detector, "observe", observe)
             judged = watchdog.state.self_health.last_evaluation or 0.0
             # Every loop went on: judging resumes, and the watchdog says it is fine.
             await wait_for(lambda: (watchdog.state.self_health.last_evaluation or 0.0) > judged, 5)
             assert await healthz(watchdog) == 200
 
-            def stuck(now: float) -> Any:
+            def stuck(detector: Detector, now: float) -> Any:
                 raise RuntimeError("judging is broken for good")
 
-            detector.evaluate = stuck
+            monkeypatch.setattr(Detector, "evaluate", stuck)
             await wait_for(lambda: evaluation_age(watchdog) > 5.5, 10)
             assert await healthz(watchdog) == 503
             url = f"http://127.0.0.1:{watchdog.api_port}/metrics"
@@ -456,7 +469,9 @@ def test_a_restarted_watchdog_resumes_on_the_journals_processes_and_gpu(tmp_path
             # The report's hang: the shutdown request goes unanswered, and the first
             # watchdog is stopped before the ladder reaches terminate.
             opened = await wait_for(
-                lambda: next((i for i in first.policy.incidents() if len(i.steps) >= 2), None),
+                lambda: next(
+                    (i for i in first.state.remediation.incidents if len(i.steps) >= 2), None
+                ),
                 40,
             )
             await first.stop()
@@ -468,7 +483,7 @@ def test_a_restarted_watchdog_resumes_on_the_journals_processes_and_gpu(tmp_path
                     lambda: next(
                         (
                             i
-                            for i in second.policy.incidents()
+                            for i in second.state.remediation.incidents
                             if i.incident_id == opened.incident_id and i.closed
                         ),
                         None,

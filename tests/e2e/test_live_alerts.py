@@ -162,7 +162,8 @@ def test_a_hang_fires_the_stage_alert_in_prometheus(
             with contextlib.suppress(asyncio.CancelledError):
                 await request
             # Observe mode: the watchdog recorded the hang and left the server alone.
-            assert all(i.outcome.value in ("open", "observed") for i in watchdog.policy.incidents())
+            incidents = watchdog.state.remediation.incidents
+            assert all(i.outcome.value in ("open", "observed") for i in incidents)
             assert server.process.poll() is None
             return alerts
 

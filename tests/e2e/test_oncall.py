@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import psutil
 import pytest
 from deadline import wait_for
@@ -22,13 +20,17 @@ from e2e.harness import (
     SIM_ENV,
     attached,
     closed_by_id,
+    held_back,
     in_background,
+    incident_by_id,
+    metrics,
     oncall,
     run_scenario,
     warmed_up,
 )
 from exporters.browser import laid_out
 
+from omni_watchdog.app import Watchdog
 from omni_watchdog.config import merge_layers
 from omni_watchdog.policy.incidents import IncidentJournal, StateWriteErrors
 from omni_watchdog.sim.launcher import SimProcess
@@ -47,25 +49,19 @@ WITH_TOKEN_NO_CANARY = merge_layers(
 HANG = ["1:engine-dead-hang"]
 
 
-async def metrics(watchdog: Any) -> str:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"http://127.0.0.1:{watchdog.api_port}/metrics") as response,
-    ):
-        return await response.text()
-
-
 def tree_gone(server: SimProcess, pids: set[int]) -> bool:
     return server.process.poll() is not None and not any(psutil.pid_exists(p) for p in pids)
 
 
-def journaled(watchdog: Any) -> list[OperatorAction]:
-    journal = watchdog.config.resolved_state_dir() / "journal.jsonl"
+def journaled(workdir: Path) -> list[OperatorAction]:
+    """The operator's actions in the journal of the watchdog `attached` in `workdir`:
+    `demo_config` keeps its state there, under `watchdog`."""
+    journal = workdir / "watchdog" / "journal.jsonl"
     return IncidentJournal(journal, StateWriteErrors()).actions()
 
 
-def server_pids(watchdog: Any) -> set[int]:
-    return {p.pid for p in watchdog.tracker.recorded()}
+def server_pids(watchdog: Watchdog) -> set[int]:
+    return {p.pid for p in watchdog.state.processes}
 
 
 def test_status_incidents_and_report_show_what_the_watchdog_sees(tmp_path: Path) -> None:
@@ -84,10 +80,11 @@ def test_status_incidents_and_report_show_what_the_watchdog_sees(tmp_path: Path)
             assert "dry-run" in out and "\x1b[" not in out  # no colours off a terminal
 
             in_background(server.url)
-            plan = await wait_for(lambda: watchdog.policy.incidents(), 40)
+            plan = await wait_for(lambda: watchdog.state.remediation.incidents, 40)
             incident_id = plan[0].incident_id
             incident = await wait_for(lambda: closed_by_id(watchdog, incident_id), 40)
             # The history of the minutes around it is written as its closing is exported.
+            assert incident.bundle_dir is not None
             bundle = Path(incident.bundle_dir)
             await wait_for(lambda: (bundle / "gpu-timeline.json").exists(), 5)
 
@@ -142,7 +139,7 @@ def test_remediate_runs_the_plan_of_a_dry_run_and_the_tree_is_gone(tmp_path: Pat
             await warmed_up(watchdog)
             pids = server_pids(watchdog)
             in_background(server.url)
-            plan = await wait_for(lambda: watchdog.policy.incidents(), 40)
+            plan = await wait_for(lambda: watchdog.state.remediation.incidents, 40)
             planned = await wait_for(lambda: closed_by_id(watchdog, plan[0].incident_id), 40)
             assert planned.outcome is IncidentOutcome.PLANNED and server.process.poll() is None
 
@@ -150,15 +147,23 @@ def test_remediate_runs_the_plan_of_a_dry_run_and_the_tree_is_gone(tmp_path: Pat
                 watchdog, "remediate", "--incident", planned.incident_id, "--yes"
             )
             assert code == 0, err
-            approved_id = next(
-                i.incident_id for i in watchdog.policy.incidents() if i is not planned
+            approved_id = await wait_for(
+                lambda: next(
+                    (
+                        i.incident_id
+                        for i in watchdog.state.remediation.incidents
+                        if i.incident_id != planned.incident_id
+                    ),
+                    None,
+                ),
+                10,
             )
             assert approved_id in out
             done = await wait_for(lambda: closed_by_id(watchdog, approved_id), 60)
             assert done.mode.value == "enforce" and done.outcome in RECOVERED, done.steps
             await wait_for(lambda: tree_gone(server, pids), 20)
 
-            actions = journaled(watchdog)
+            actions = journaled(tmp_path)
             assert [(a.action, a.outcome, a.incident_id) for a in actions] == [
                 ("remediate", "accepted", approved_id)
             ]
@@ -190,15 +195,16 @@ def test_a_pause_holds_an_enforced_action_during_a_real_hang_and_resume_lets_it_
             assert "omni_watchdog_remediation_paused 1" in await metrics(watchdog)
 
             in_background(server.url)
-            found = await wait_for(lambda: watchdog.policy.incidents(), 40)
+            found = await wait_for(lambda: watchdog.state.remediation.incidents, 40)
             incident_id = found[0].incident_id
-            await wait_for(lambda: "held" in watchdog.policy.incident(incident_id).timeline, 30)
+            await wait_for(lambda: held_back(watchdog, incident_id), 30)
             # Held: detected and captured, nothing done to the server for as long as it lasts.
             for _ in range(8):
                 await asyncio.sleep(0.25)
                 assert server.process.poll() is None
                 assert closed_by_id(watchdog, incident_id) is None
-            held = watchdog.policy.incident(incident_id)
+            held = incident_by_id(watchdog, incident_id)
+            assert held is not None
             assert [s.step for s in held.steps] == [StepName.CAPTURE]
 
             code, out, err = await oncall(watchdog, "resume")
@@ -245,7 +251,7 @@ def test_actions_need_the_operator_token(
             )
             # Only an action that came with the token is journaled: anyone can send the rest.
             expected = [("pause", outcome)] if code == 0 else []
-            assert [(a.action, a.outcome) for a in journaled(watchdog)] == expected
+            assert [(a.action, a.outcome) for a in journaled(tmp_path)] == expected
             # Reads stay open whatever the token.
             status_code, _, _ = await oncall(watchdog, "status", token=None)
             assert status_code == 0

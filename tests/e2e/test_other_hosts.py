@@ -21,6 +21,9 @@ from e2e.harness import (
     RECOVERED,
     in_background,
     incident_done,
+    incidents_now,
+    live_processes,
+    metrics,
     run_scenario,
     state,
 )
@@ -61,7 +64,7 @@ def test_a_remote_stage_serves_and_each_watchdog_shows_it_where_it_runs(tmp_path
             assert report is not None
             remote = next(s for s in report.statuses if s.stage == REMOTE)
             assert remote.remote and remote.host == STAGE_HOST
-            body = head.watchdog.exposition.render().decode()
+            body = await metrics(head.watchdog)
             assert (
                 f'omni_watchdog_stage_remote{{stage="1",stage_name="talker",replica="0",'
                 f'host="{STAGE_HOST}"}} 1' in body
@@ -101,7 +104,7 @@ def test_a_fault_on_the_headless_stage_is_ended_by_its_own_host_s_watchdog(
             head_with_remote_stage(tmp_path / "head", LONG_GRACE) as head,
             running_stage_host(head, tmp_path / "stage", watchdog_config=STAGE_WATCHDOG) as stage,
         ):
-            head_pids = {p.pid for p in head.watchdog.tracker.live()}
+            head_pids = {p.pid for p in live_processes(head.watchdog)}
             assert stage.gpu_bytes() > 0
             fault(stage)
             requests = in_background(head.sim.url, 2)
@@ -117,8 +120,8 @@ def test_a_fault_on_the_headless_stage_is_ended_by_its_own_host_s_watchdog(
             # The head's watchdog judged the remote stage, opened nothing and signalled
             # nothing: its own tree is whole.
             await wait_for(lambda: state(head.watchdog, REMOTE) in UNWELL, 20)
-            assert head.watchdog.policy.incidents() == []
-            assert {p.pid for p in head.watchdog.tracker.live()} == head_pids
+            assert await incidents_now(head.watchdog) == ()
+            assert {p.pid for p in live_processes(head.watchdog)} == head_pids
             for request in requests:
                 request.cancel()
 
@@ -165,7 +168,7 @@ def test_a_remote_stage_the_head_cannot_hear_is_unknown_and_never_acted_on(
             # Well past every timeout: still unknown, still nothing done.
             await asyncio.sleep(FAST_CONFIRM + 1)
             assert state(head.watchdog, REMOTE) is StageState.UNKNOWN
-            assert head.watchdog.policy.incidents() == []
+            assert await incidents_now(head.watchdog) == ()
 
     run_scenario(scenario())
 
@@ -190,8 +193,8 @@ def test_a_stage_back_within_the_grace_spares_the_head_no_double_remediation(
             ):
                 await wait_for(lambda: state(head.watchdog, REMOTE) is StageState.HEALTHY, 20)
                 assert await chat(head) == 200
-                assert head.watchdog.policy.incidents() == []
-                assert head.watchdog.tracker.target_alive
+                assert await incidents_now(head.watchdog) == ()
+                assert head.watchdog.state.target.up
 
     run_scenario(scenario())
 

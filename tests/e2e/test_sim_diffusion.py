@@ -28,8 +28,11 @@ from e2e.harness import (
     assert_released,
     attached,
     described,
+    detection_of,
     incident_done,
+    incidents_now,
     judged_for,
+    live_processes,
     note_worse_than_degraded,
     run_scenario,
     state,
@@ -39,12 +42,14 @@ from e2e.harness import (
 )
 from sim.sim_helpers import CONFIGS, Sim
 
+from omni_watchdog.app import Watchdog
 from omni_watchdog.config import merge_layers
 from omni_watchdog.demo import REPORT_REQUEST
 from omni_watchdog.log import configure_logging
 from omni_watchdog.process_start import sender_attributes
 from omni_watchdog.semconv import PROCESS_PID
 from omni_watchdog.sim.diffusion import DIFFUSION_TITLE
+from omni_watchdog.sim.launcher import SimProcess
 from omni_watchdog.sim.pipelines import IMAGE_PIPELINE, write_stage_config
 from omni_watchdog.types import SilenceCause, StageRef, StageState
 
@@ -58,7 +63,7 @@ ANSWER_LIMIT = 60.0
 
 def run(
     tmp_path: Path,
-    body: Callable[[Any, Any], Awaitable[None]],
+    body: Callable[[Watchdog, SimProcess], Awaitable[None]],
     sim_args: list[str] | None = None,
     remediated: bool = True,
     config: dict[str, Any] = FAST,
@@ -113,12 +118,12 @@ async def get_json(url: str) -> Any:
         return await response.json()
 
 
-def dit_status(watchdog: Any) -> Any:
+def dit_status(watchdog: Watchdog) -> Any:
     report = watchdog.state.report
     return next((s for s in report.statuses if s.stage == DIT), None) if report else None
 
 
-def of_dit(watchdog: Any, name: str) -> Any:
+def of_dit(watchdog: Watchdog, name: str) -> Any:
     """A field of the diffusion stage's last status; None before it has one."""
     return getattr(dit_status(watchdog), name, None)
 
@@ -126,7 +131,7 @@ def of_dit(watchdog: Any, name: str) -> Any:
 def test_the_image_pipeline_answers_and_its_diffusion_stage_is_mapped_and_healthy(
     tmp_path: Path,
 ) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         sim_state = await get_json(server.url + "/sim/state")
         assert sim_state["pipeline"] == IMAGE_PIPELINE
@@ -140,12 +145,13 @@ def test_the_image_pipeline_answers_and_its_diffusion_stage_is_mapped_and_health
         # The watchdog maps the DiffusionWorker to its stage (from its spans' resource) and
         # learned its steps from their spans.
         await wait_for(
-            lambda: any(p.pid == dit_pid and p.stage == DIT for p in watchdog.tracker.live()),
+            lambda: any(p.pid == dit_pid and p.stage == DIT for p in live_processes(watchdog)),
             30,
         )
         await wait_for(lambda: of_dit(watchdog, "seconds_per_step"), 30)
         await all_healthy(watchdog, 30)
-        assert not watchdog.policy.incidents(), described(watchdog.policy.incidents())
+        incidents = await incidents_now(watchdog)
+        assert not incidents, described(incidents)
         assert dit_status(watchdog).request_errors == 0
         page = await get_json(f"http://127.0.0.1:{watchdog.api_port}/v1/status")
         (entry,) = [s for s in page["stages"] if (s["stage_id"], s["replica"]) == (1, 0)]
@@ -156,7 +162,7 @@ def test_the_image_pipeline_answers_and_its_diffusion_stage_is_mapped_and_health
 
 
 def test_a_blocked_denoising_step_is_a_stall_that_is_remediated(tmp_path: Path) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         # One image first: the stage's step time is learned, as on a server in service.
         status, answer = await image(server.url)
@@ -183,11 +189,11 @@ def test_a_blocked_step_is_judged_whatever_a_holder_of_the_otlp_token_forges(
     late, fails behind it: those outweigh the forged beats (before, no incident in 60 s)."""
     token = "the-otlp-token"
 
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         status, answer = await image(server.url)
         assert status == 200, answer
-        dit = next(p for p in watchdog.tracker.live() if p.stage == DIT).pid
+        dit = next(p for p in live_processes(watchdog) if p.stage == DIT).pid
         senders = [
             {PROCESS_PID: pid, **sender_attributes(pid)} for pid in (dit, server.process.pid)
         ]
@@ -213,7 +219,7 @@ def test_a_blocked_step_is_judged_whatever_a_holder_of_the_otlp_token_forges(
 
 
 def test_a_denoising_step_that_raises_fails_one_request_and_nothing_else(tmp_path: Path) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         await with_fault(server, {"kind": "denoise-raise", "stage": 1})
         status, answer = await image(server.url)
@@ -223,16 +229,17 @@ def test_a_denoising_step_that_raises_fails_one_request_and_nothing_else(tmp_pat
         assert status == 200, answer  # the stage serves the next request
         await wait_for(lambda: of_dit(watchdog, "request_errors"), 30)
         assert dit_status(watchdog).request_errors == 1
-        detection = watchdog.config.detection
+        detection = detection_of(FAST)
         await judged_for(watchdog, detection.heartbeat_timeout + detection.confirm_timeout)
         await all_healthy(watchdog, 30)
-        assert not watchdog.policy.incidents(), described(watchdog.policy.incidents())
+        incidents = await incidents_now(watchdog)
+        assert not incidents, described(incidents)
 
     run(tmp_path, body, remediated=False)
 
 
 def test_a_slow_image_is_followed_step_by_step_and_never_remediated(tmp_path: Path) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         found: list[str] = []
         watching = asyncio.create_task(note_worse_than_degraded(watchdog, [TEXT, DIT], found))
@@ -262,7 +269,8 @@ def test_a_slow_image_is_followed_step_by_step_and_never_remediated(tmp_path: Pa
         )
         watching.cancel()
         assert not found, found
-        assert not watchdog.policy.incidents(), described(watchdog.policy.incidents())
+        incidents = await incidents_now(watchdog)
+        assert not incidents, described(incidents)
         assert state(watchdog, DIT) in (StageState.HEALTHY, StageState.DEGRADED)
 
     run(tmp_path, body, sim_args=["--slow-denoise-step-seconds", "2"], remediated=False)

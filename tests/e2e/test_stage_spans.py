@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 from deadline import wait_for
-from e2e.harness import FAST, SIM_ENV, attached, run_scenario
+from e2e.harness import FAST, SIM_ENV, attached, last_heartbeat, live_processes, run_scenario
 
+from omni_watchdog.app import Watchdog
 from omni_watchdog.demo import send_request
 from omni_watchdog.semconv import (
     HEARTBEAT_SPAN,
@@ -29,15 +29,24 @@ SETTLING_BEATS = 3
 QUIET_BEATS = 6
 
 
-def names(watchdog: Any, stage: StageRef | None) -> list[str]:
-    return [record.name for record in watchdog.store.recent(stage)]
+def names(watchdog: Watchdog, stage: StageRef | None) -> list[str]:
+    return [record.name for record in watchdog.spans.recent(stage)]
 
 
-async def quiet_while_others_beat(watchdog: Any, blocked: StageRef, beats: int) -> float | None:
+def all_beating(watchdog: Watchdog) -> bool:
+    return all(last_heartbeat(watchdog, stage) for stage in STAGES)
+
+
+async def quiet_while_others_beat(
+    watchdog: Watchdog, blocked: StageRef, beats: int
+) -> float | None:
     """Wait until every other stage's heartbeat has landed `beats` times in a row in which
     `blocked`'s did not; its last heartbeat then."""
     others = set(STAGES) - {blocked}
-    heartbeat = watchdog.detector.last_heartbeat
+
+    def heartbeat(stage: StageRef) -> float | None:
+        return last_heartbeat(watchdog, stage)
+
     quiet_at: float | None = heartbeat(blocked)
     last = {stage: heartbeat(stage) for stage in others}
     landed = dict.fromkeys(others, 0)
@@ -69,23 +78,23 @@ async def quiet_while_others_beat(watchdog: Any, blocked: StageRef, beats: int) 
 def test_report_request_produces_admitted_stage_and_heartbeat_spans(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with attached(tmp_path, [], "0.11", "observe", FAST, None, SIM_ENV) as (wd, srv):
-            await wait_for(lambda: all(wd.detector.last_heartbeat(s) for s in STAGES), 30)
+            await wait_for(lambda: all_beating(wd), 30)
             await send_request(srv.url)
             await wait_for(lambda: all(STAGE_REQUEST_SPAN in names(wd, s) for s in STAGES), 10)
             # The report's request and any canary: each went through all three stages.
-            admitted = [r for r in wd.store.recent(None) if r.name == REQUEST_ADMITTED_SPAN]
+            admitted = [r for r in wd.spans.recent(None) if r.name == REQUEST_ADMITTED_SPAN]
             assert admitted
             for span in admitted:
                 assert span.attributes[REQUEST_STAGE_PATH] == [0, 1, 2]
             for stage in STAGES:
-                spans = [r for r in wd.store.recent(stage) if r.name == STAGE_REQUEST_SPAN]
+                spans = [r for r in wd.spans.recent(stage) if r.name == STAGE_REQUEST_SPAN]
                 done = {r.request_id for r in spans}
                 assert {a.request_id for a in admitted} <= done | {admitted[-1].request_id}
                 assert all(r.status != "error" and r.duration > 0 for r in spans)
                 assert HEARTBEAT_SPAN in names(wd, stage)
             # The resource names the process, so the watchdog maps pids to stages from spans.
-            mapped = wd.store.pid_stages()
-            stage_pids = {p.pid: p.stage for p in wd.tracker.live() if p.role.value == "stage"}
+            mapped = wd.spans.pid_stages()
+            stage_pids = {p.pid: p.stage for p in live_processes(wd) if p.role.value == "stage"}
             assert {pid: stage for pid, (stage, _) in mapped.items() if pid in stage_pids} == (
                 stage_pids
             )
@@ -102,7 +111,7 @@ def test_heartbeats_of_a_blocked_stage_stop(tmp_path: Path, fault: str, blocked:
             wd,
             srv,
         ):
-            await wait_for(lambda: all(wd.detector.last_heartbeat(s) for s in STAGES), 30)
+            await wait_for(lambda: all_beating(wd), 30)
             asyncio.get_running_loop().create_task(send_request(srv.url))
             await wait_for(lambda: srv.fault_time(), 10)
             stopped_at = await quiet_while_others_beat(wd, blocked, SETTLING_BEATS)

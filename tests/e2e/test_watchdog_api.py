@@ -22,6 +22,7 @@ from e2e.harness import (
     with_fault,
 )
 
+from omni_watchdog.app import Watchdog
 from omni_watchdog.demo import send_request
 from omni_watchdog.types import PIPELINE, EvidenceKind, StageRef, StageState
 
@@ -38,7 +39,7 @@ STAGE_FIELDS = {
 }
 
 
-async def get(watchdog: Any, path: str) -> tuple[int, Any]:
+async def get(watchdog: Watchdog, path: str) -> tuple[int, Any]:
     url = f"http://127.0.0.1:{watchdog.api_port}{path}"
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         if response.content_type == "application/json":
@@ -58,7 +59,7 @@ def test_status_target_health_and_incidents(tmp_path: Path) -> None:
             code, status = await get(watchdog, "/v1/status")
             assert code == 200
             assert [(s["stage_id"], s["replica"]) for s in status["stages"]] == [
-                (ref.stage_id, ref.replica) for ref in watchdog.topology.refs()
+                (ref.stage_id, ref.replica) for ref in watchdog.state.topology.refs()
             ]
             for stage in status["stages"]:
                 assert set(stage) >= STAGE_FIELDS
@@ -75,7 +76,7 @@ def test_status_target_health_and_incidents(tmp_path: Path) -> None:
             # Armed now, not at start: the canary is a request too and would fire it early.
             await with_fault(server, {"kind": "silent-stall", "stage": 0})
             asyncio.get_running_loop().create_task(send_request(server.url))
-            await wait_for(lambda: watchdog.policy.incidents(), 30)
+            await wait_for(lambda: watchdog.state.remediation.incidents, 30)
             code, text = await get(watchdog, "/v1/target/health")
             assert code == 503 and "stage 0.0 (thinker) stalled" in text
             code, status = await get(watchdog, "/v1/status")
@@ -130,13 +131,13 @@ def test_plain_single_stage_server_without_the_plugin(tmp_path: Path) -> None:
         ) as (watchdog, server):
             await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 30)
             asyncio.get_running_loop().create_task(send_request(server.url))
-            incident = await wait_for(lambda: watchdog.policy.incidents(), 40)
+            incident = await wait_for(lambda: watchdog.state.remediation.incidents, 40)
             verdict = incident[0].verdicts[0]
             assert verdict.stage == StageRef(0) and verdict.state is StageState.STALLED
             kinds = {e.kind for e in verdict.evidence}
             assert EvidenceKind.PROCESS_STUCK in kinds
             assert kinds.isdisjoint({EvidenceKind.HEARTBEAT_LOST, EvidenceKind.SPAN_OVERDUE})
-            assert watchdog.receiver.stats.spans_accepted == 0
+            assert watchdog.state.receiver.spans_accepted == 0
 
     run_scenario(scenario())
 
@@ -149,11 +150,11 @@ def test_without_the_plugin_a_stall_blames_no_stage_it_cannot_prove(tmp_path: Pa
     neighbours = (StageRef(1), StageRef(2))
     seen: dict[StageRef, set[StageState]] = {ref: set() for ref in neighbours}
 
-    async def note_states(watchdog: Any) -> None:
+    async def note_states(watchdog: Watchdog) -> None:
         # Until the incident opens: once the ladder ends the server, every stage is dead
         # with it ("the server exited"), which is no verdict.
-        while not watchdog.policy.incidents():
-            report = watchdog.state.report
+        while not (state := watchdog.state).remediation.incidents:
+            report = state.report
             for status in report.statuses if report else ():
                 if status.stage in seen:
                     seen[status.stage].add(status.state)
@@ -176,7 +177,7 @@ def test_without_the_plugin_a_stall_blames_no_stage_it_cannot_prove(tmp_path: Pa
             in_background(server.url)
             incident = await incident_done(watchdog, 60)
             noting.cancel()
-            assert watchdog.receiver.stats.spans_accepted == 0
+            assert watchdog.state.receiver.spans_accepted == 0
             return incident, server.leftover_pids()
 
     incident, leftovers = run_scenario(scenario())

@@ -22,10 +22,14 @@ from e2e.harness import (
     all_healthy,
     assert_released,
     attached,
+    detection_of,
     in_background,
     incident_done,
+    incidents_now,
     judged_for,
+    live_processes,
     run_scenario,
+    stage_requests,
     state,
     step,
     steps_of,
@@ -33,10 +37,12 @@ from e2e.harness import (
     with_fault,
 )
 
+from omni_watchdog.app import Watchdog
 from omni_watchdog.config import ProbesConfig, merge_layers
 from omni_watchdog.exporters.views import target_health
 from omni_watchdog.log import configure_logging
 from omni_watchdog.sim.engine import BUILD_S, BUILDER_NAMES
+from omni_watchdog.sim.launcher import SimProcess
 from omni_watchdog.types import (
     IncidentOutcome,
     SilenceCause,
@@ -54,7 +60,7 @@ def run(
     tmp_path: Path,
     faults: list[str],
     generation: str,
-    body: Callable[[Any, Any], Awaitable[None]],
+    body: Callable[[Watchdog, SimProcess], Awaitable[None]],
     mode: str = "enforce",
     sim_args: list[str] | None = None,
     remediated: bool = True,
@@ -76,7 +82,7 @@ def run(
 
 
 def test_engine_dead_hang_is_killed_and_memory_released(tmp_path: Path) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         in_background(server.url)
         incident = await incident_done(watchdog)
@@ -98,7 +104,7 @@ def test_engine_dead_hang_is_killed_and_memory_released(tmp_path: Path) -> None:
 
 
 def test_stage_dead_503_shuts_down_gracefully(tmp_path: Path) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         in_background(server.url)
         incident = await incident_done(watchdog)
@@ -118,7 +124,7 @@ def probes_without(probe: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])
 def test_silent_stall_is_detected_from_spans_and_counters(tmp_path: Path, generation: str) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         in_background(server.url)
         incident = await incident_done(watchdog)
@@ -136,7 +142,7 @@ def test_silent_stall_is_detected_from_spans_and_counters(tmp_path: Path, genera
 
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])
 def test_ignored_sigterm_escalates_to_sigkill(tmp_path: Path, generation: str) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         in_background(server.url)
         incident = await incident_done(watchdog)
@@ -149,12 +155,12 @@ def test_ignored_sigterm_escalates_to_sigkill(tmp_path: Path, generation: str) -
 
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])
 def test_escaped_child_is_found_and_killed(tmp_path: Path, generation: str) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
-        await wait_for(
-            lambda: any(p.sid != watchdog.tracker.root.sid for p in watchdog.tracker.live()), 10
-        )
-        escaped = [p for p in watchdog.tracker.live() if p.sid != watchdog.tracker.root.sid]
+        root = watchdog.state.target.root
+        assert root is not None
+        await wait_for(lambda: any(p.sid != root.sid for p in live_processes(watchdog)), 10)
+        escaped = [p for p in live_processes(watchdog) if p.sid != root.sid]
         in_background(server.url)
         incident = await incident_done(watchdog)
         assert incident.outcome in RECOVERED
@@ -173,7 +179,7 @@ def _not_zombie(pid: int) -> bool:
 
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])
 def test_orphaned_stages_are_cleaned_up(tmp_path: Path, generation: str) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         await with_fault(server, {"kind": "orphaned-stages"})
         if generation == "0.11":
@@ -184,12 +190,13 @@ def test_orphaned_stages_are_cleaned_up(tmp_path: Path, generation: str) -> None
         else:
             # The parent-death signal takes the stages down with the server.
             await wait_for(lambda: not server.leftover_pids(), 10)
-            assert not [i for i in watchdog.policy.incidents() if i.outcome in RECOVERED]
+            incidents = await incidents_now(watchdog)
+            assert not [i for i in incidents if i.outcome in RECOVERED]
 
     run(tmp_path, [], generation, body)
 
 
-async def loaded_and_never_remediated(watchdog: Any, server: Any) -> None:
+async def loaded_and_never_remediated(watchdog: Watchdog, server: SimProcess) -> None:
     """14 s of requests two at a time (past the default confirm_timeout, 10 s, and every
     shorter timeout): stage 1 is never worse than degraded, and nothing is done to the
     server."""
@@ -202,7 +209,7 @@ async def loaded_and_never_remediated(watchdog: Any, server: Any) -> None:
         seen.add(state(watchdog, StageRef(1)))
         await asyncio.sleep(0.25)
     assert server.fault_time() is not None
-    assert not watchdog.policy.incidents()
+    assert not await incidents_now(watchdog)
     assert seen <= {StageState.HEALTHY, StageState.DEGRADED}
 
 
@@ -238,15 +245,16 @@ def test_a_client_that_goes_away_is_not_waited_for(tmp_path: Path, generation: s
     """vLLM drops a request whose client went away: the stages it had not reached never see
     it, and the watchdog must stop waiting for their spans rather than judge them stalled."""
 
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
-        detector = watchdog.detector
         (request,) = in_background(server.url)
-        await wait_for(lambda: detector.in_flight(1) > 0, 15)
+        await wait_for(lambda: stage_requests(watchdog, 1).in_flight > 0, 15)
         request.cancel()
-        await wait_for(lambda: all(detector.in_flight(s) == 0 for s in (0, 1, 2)), 10)
+        await wait_for(
+            lambda: all(stage_requests(watchdog, s).in_flight == 0 for s in (0, 1, 2)), 10
+        )
         await all_healthy(watchdog, 15)
-        assert not watchdog.policy.incidents()
+        assert not await incidents_now(watchdog)
 
     # Half a second a token: the request is still at stage 1 when its client leaves. No
     # canary: its requests would be at stage 1 too.
@@ -263,15 +271,16 @@ def test_a_client_that_goes_away_is_not_waited_for(tmp_path: Path, generation: s
 
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])
 def test_slow_startup_is_never_judged(tmp_path: Path, generation: str) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
-        await wait_for(lambda: watchdog.tracker.target_alive, 15)
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
+        await wait_for(lambda: watchdog.state.target.up, 15)
         for _ in range(40):
-            assert watchdog.state.report is None or not watchdog.state.report.verdicts
-            assert all(s.state is StageState.STARTING for s in watchdog.state.report.statuses)
+            report = watchdog.state.report
+            assert report is not None and not report.verdicts
+            assert all(s.state is StageState.STARTING for s in report.statuses)
             await asyncio.sleep(0.25)
-        assert not watchdog.policy.incidents()
+        assert not await incidents_now(watchdog)
         await warmed_up(watchdog)
-        assert not watchdog.policy.incidents()
+        assert not await incidents_now(watchdog)
 
     run(
         tmp_path,
@@ -285,26 +294,28 @@ def test_slow_startup_is_never_judged(tmp_path: Path, generation: str) -> None:
 
 @pytest.mark.parametrize("generation", ["0.11", "0.30"])
 def test_zombie_is_reported_not_remediated(tmp_path: Path, generation: str) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         zombies = await wait_for(
-            lambda: [p for p in watchdog.tracker.live() if p.status.value == "zombie"], 10
+            lambda: [p for p in live_processes(watchdog) if p.status.value == "zombie"], 10
         )
         assert len(zombies) == 1
         # Taken for a stuck process, it would be confirmed stuck_timeout + confirm_timeout
         # after it was first seen, which was before now.
-        detection = watchdog.config.detection
+        detection = detection_of(FAST)
         await judged_for(watchdog, detection.stuck_timeout + detection.confirm_timeout)
-        assert not watchdog.policy.incidents()
-        still = [p.pid for p in watchdog.tracker.live() if p.status.value == "zombie"]
+        assert not await incidents_now(watchdog)
+        still = [p.pid for p in live_processes(watchdog) if p.status.value == "zombie"]
         assert still == [zombies[0].pid]
-        assert all(s.state is StageState.HEALTHY for s in watchdog.state.report.statuses)
+        report = watchdog.state.report
+        assert report is not None
+        assert all(s.state is StageState.HEALTHY for s in report.statuses)
 
     run(tmp_path, ["1:zombie"], generation, body, remediated=False)
 
 
 def test_engine_dead_exit_is_a_crash_not_a_clean_stop(tmp_path: Path) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         in_background(server.url)
         await wait_for(lambda: server.process.poll() is not None, 20)
@@ -321,7 +332,7 @@ def test_engine_dead_exit_is_a_crash_not_a_clean_stop(tmp_path: Path) -> None:
 def test_frozen_engine_is_detected_from_canary_and_process_state(
     tmp_path: Path, generation: str
 ) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         in_background(server.url)
         incident = await incident_done(watchdog)
@@ -355,14 +366,15 @@ def test_without_the_process_probe_the_admin_endpoint_ends_a_stall(tmp_path: Pat
             tmp_path, ["0:silent-stall"], "0.30", "enforce", NETWORK_ONLY, None, SIM_ENV
         ) as (watchdog, server):
             await warmed_up(watchdog)
-            up_before = watchdog.target.up
+            up_before = watchdog.state.target.up
             in_background(server.url)
             incident = await incident_done(watchdog)
             status, _ = target_health(watchdog.state)
             # Without a PID namespace of its own the simulated server's deadlocked stage
             # outlives its API, as it would not in a pod: the container's end takes it.
             # The test's own clean-up stops it.
-            return incident, up_before and not watchdog.target.up, status
+            await incidents_now(watchdog)  # a state made after the incident closed
+            return incident, up_before and not watchdog.state.target.up, status
 
     incident, up_then_down, health_status = run_scenario(scenario())
     assert up_then_down, "with no process visible, /health answering is what 'up' means"
@@ -379,7 +391,7 @@ def test_without_the_process_probe_the_admin_endpoint_ends_a_stall(tmp_path: Pat
     assert health_status == 503
 
 
-def cause_of(watchdog: Any, stage: StageRef) -> StageCause | None:
+def cause_of(watchdog: Watchdog, stage: StageRef) -> StageCause | None:
     report = watchdog.state.report
     statuses = report.statuses if report else ()
     return next((s.cause for s in statuses if s.stage == stage), None)
@@ -389,7 +401,7 @@ def test_a_build_for_a_stage_is_waited_for_and_named(tmp_path: Path) -> None:
     """A compiler child working for the stage's forward: its silence outlasts every
     timeout of the shared profile, and it is never worse than degraded."""
 
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         (request,) = in_background(server.url)
         seen: list[StageCause] = []
@@ -403,14 +415,15 @@ def test_a_build_for_a_stage_is_waited_for_and_named(tmp_path: Path) -> None:
         await wait_for(compiling, BUILD_S)
         assert seen[-1].working and "cc1plus pid" in seen[-1].detail, seen[-1]
         await asyncio.wait_for(request, BUILD_S + 30)
-        assert not watchdog.policy.incidents(), watchdog.policy.incidents()
+        incidents = await incidents_now(watchdog)
+        assert not incidents, incidents
         assert state(watchdog, StageRef(1)) in (StageState.HEALTHY, StageState.DEGRADED)
 
     run(tmp_path, ["1:compile"], "0.30", body, remediated=False)
 
 
 def test_a_build_whose_child_stops_is_a_stall_that_names_the_child(tmp_path: Path) -> None:
-    async def body(watchdog: Any, server: Any) -> None:
+    async def body(watchdog: Watchdog, server: SimProcess) -> None:
         await warmed_up(watchdog)
         in_background(server.url)
 
@@ -421,7 +434,7 @@ def test_a_build_whose_child_stops_is_a_stall_that_names_the_child(tmp_path: Pat
         await wait_for(building, BUILD_S)
         builders = [
             child
-            for info in watchdog.tracker.live()
+            for info in live_processes(watchdog)
             if info.stage == StageRef(1)
             for child in psutil.Process(info.pid).children()
             if child.name() == BUILDER_NAMES["jit"]

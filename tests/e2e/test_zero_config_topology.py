@@ -9,6 +9,8 @@ from deadline import wait_for
 from e2e.harness import FAST, SIM_ENV, attached, run_scenario
 from e2e.test_watchdog_api import get
 
+from omni_watchdog.demo import demo_config
+from omni_watchdog.sim.launcher import example_config
 from omni_watchdog.types import TopologyOrigin
 
 pytestmark = pytest.mark.e2e
@@ -29,10 +31,13 @@ def test_status_shows_the_servers_stages_and_where_they_came_from(
 ) -> None:
     async def scenario() -> None:
         no_stage_config = {**FAST, "stage_config": ""}
+        config = demo_config(
+            tmp_path, "http://127.0.0.1:9", example_config(generation), "observe", no_stage_config
+        )
+        assert config.stage_config == ""
         async with attached(
             tmp_path, [], generation, "observe", no_stage_config, None, SIM_ENV
         ) as (watchdog, _):
-            assert watchdog.config.stage_config == ""
             await wait_for(lambda: watchdog.state.topology.origin is origin, 30)
             await wait_for(lambda: watchdog.state.report and watchdog.state.report.warmed_up, 30)
             code, status = await get(watchdog, "/v1/status")

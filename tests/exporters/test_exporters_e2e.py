@@ -20,6 +20,7 @@ from e2e.harness import FAST, SIM_ENV, attached, in_background, incident_done, w
 from exporters.otlp_capture import CaptureServer, attributes
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_watchdog.app import Watchdog
 from omni_watchdog.exporters.prometheus import UNKNOWN_HOST
 from omni_watchdog.log import configure_logging
 from omni_watchdog.semconv import INCIDENT_ID, INCIDENT_SPAN, LADDER_STEP_SPAN_PREFIX
@@ -28,7 +29,7 @@ from omni_watchdog.types import IncidentOutcome
 pytestmark = pytest.mark.e2e
 
 
-async def scrape(watchdog: Any) -> tuple[str, str]:
+async def scrape(watchdog: Watchdog) -> tuple[str, str]:
     url = f"http://127.0.0.1:{watchdog.api_port}/metrics"
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         assert response.status == 200
@@ -60,10 +61,12 @@ def test_an_incident_shows_in_metrics_and_as_a_trace(tmp_path: Path) -> None:
                 incident = await incident_done(watchdog)
                 await wait_for(lambda: watchdog.state.counters.incidents, 5)
                 content_type, after = await scrape(watchdog)
-                await asyncio.to_thread(watchdog.traces.flush)
-                stage_name = watchdog.topology.stage(incident.verdicts[0].stage.stage_id).name
+                stage = watchdog.state.topology.stage(incident.verdicts[0].stage.stage_id)
+                assert stage is not None
+                stage_name = stage.name
                 host = watchdog.state.host
         finally:
+            # Only now: the watchdog's stop, on leaving `attached`, exports the spans queued.
             await capture.stop()
         return content_type, before, after, capture, incident, stage_name, host
 

@@ -17,6 +17,7 @@ import psutil
 from ports import free_port
 from real_vllm.server import MODEL_NAME, REAL_FAST, REPO, VllmServer, watching
 
+from omni_watchdog.app import Watchdog
 from omni_watchdog.config import LadderConfig, merge_layers
 from omni_watchdog.types import StageRef
 
@@ -231,7 +232,7 @@ def image_generation_body(
 @contextlib.asynccontextmanager
 async def watched(
     server: VllmServer, workdir: Path, mode: str = "enforce", overrides: Any = None
-) -> AsyncIterator[Any]:
+) -> AsyncIterator[Watchdog]:
     async with watching(server, workdir, mode, merge_layers(OMNI_FAST, overrides or {})) as dog:
         yield dog
 

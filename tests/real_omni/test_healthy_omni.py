@@ -28,13 +28,16 @@ from e2e.harness import (
     OPERATOR_TOKEN,
     described,
     incident_done,
+    incidents_now,
+    last_heartbeat,
+    live_processes,
     note_worse_than_degraded,
     oncall,
     steps_of,
     worse_than_degraded,
 )
 from real_omni.judging import in_background, shipped, verdict_on
-from real_omni.server import STAGES, OmniServer, engine_of, watched
+from real_omni.server import OMNI_FAST, STAGES, OmniServer, engine_of, watched
 from real_vllm.client import (
     LONG_REQUEST,
     Stream,
@@ -44,9 +47,10 @@ from real_vllm.client import (
     gone,
     health_status,
 )
-from real_vllm.server import VllmServer
+from real_vllm.server import REAL_FAST, VllmServer
 
-from omni_watchdog.config import load_config
+from omni_watchdog.app import Watchdog
+from omni_watchdog.config import load_config, merge_layers
 from omni_watchdog.semconv import HEARTBEAT_SPAN
 from omni_watchdog.types import (
     IncidentOutcome,
@@ -103,9 +107,8 @@ def test_every_stage_engine_beats_with_its_stage_and_replica(
             assert by_pid == {pid: StageRef(stage_id, 0) for stage_id, pid in engines.items()}
             # The receiver keeps a span as it arrives; the detector reads it at the next
             # collection, a probe interval later.
-            detector = watchdog.detector
             await wait_for(
-                lambda: all(detector.last_heartbeat(stage) is not None for stage in STAGES), 10
+                lambda: all(last_heartbeat(watchdog, stage) is not None for stage in STAGES), 10
             )
 
     asyncio.run(scenario())
@@ -121,7 +124,9 @@ def test_topology_comes_from_the_running_pipeline_without_a_stage_config(
             watched(server, tmp_path, mode="observe") as watchdog,
             aiohttp.ClientSession() as session,
         ):
-            assert not watchdog.config.stage_config
+            # The layers `watched` builds the watchdog's config from name no stage config.
+            layers = merge_layers(REAL_FAST, OMNI_FAST)
+            assert not load_config(environ={}, overrides=layers).stage_config
             # The API shows the state of the last evaluation: wait for the one that has it.
             await wait_for(lambda: watchdog.state.topology.source == "plugin", 30)
             status = await get_json(session, f"http://127.0.0.1:{watchdog.api_port}/v1/status")
@@ -166,7 +171,7 @@ def test_on_call_sees_the_real_pipeline_and_a_pause_acts_on_nothing(
             assert "paused" in out and "test" in out
             code, _, err = await oncall(watchdog, "resume")
             assert code == 0, err
-            assert not watchdog.policy.incidents()
+            assert not await incidents_now(watchdog)
 
     asyncio.run(scenario())
 
@@ -187,7 +192,7 @@ def test_default_canary_never_harms_a_healthy_idle_server(
                     worse += worse_than_degraded(watchdog, STAGES)
                     await asyncio.sleep(0.5)
                 assert not worse, worse
-                assert not watchdog.policy.incidents()
+                assert not await incidents_now(watchdog)
             # Nobody else talked to the server: what it served were the canaries.
             assert await served_requests(session, server) - before >= 3
             assert await health_status(session, server) == 200
@@ -214,7 +219,7 @@ def test_client_gone_mid_request_is_no_reason_to_act(
             while time.monotonic() < quiet_until:
                 assert not (worse := worse_than_degraded(watchdog, STAGES)), worse
                 await asyncio.sleep(0.5)
-            assert not watchdog.policy.incidents()
+            assert not await incidents_now(watchdog)
             assert await chat(session, server.url) == 200
 
     asyncio.run(scenario())
@@ -258,10 +263,8 @@ def test_steady_load_with_one_slow_stage_is_never_worse_than_degraded(
                 # A noting task that failed would leave `worse` empty: its error surfaces.
                 with contextlib.suppress(asyncio.CancelledError):
                     await noting
-            assert not watchdog.policy.incidents(), (
-                described(watchdog.policy.incidents()),
-                worse,
-            )
+            incidents = await incidents_now(watchdog)
+            assert not incidents, (described(incidents), worse)
             assert not worse, worse
             assert gone is None, (gone, server.process.poll(), server.log_tail())
             failed = [(status, body) for status, body in answers if status != 200]
@@ -298,12 +301,12 @@ async def causes_on_the_api(
         await asyncio.sleep(0.5)
 
 
-def builder_of(server: Any, watchdog: Any) -> psutil.Process | None:
+def builder_of(server: Any, watchdog: Watchdog) -> psutil.Process | None:
     """The child the talker's worker waits on, once there is one: a process of the test's
     own server (the worker is itself a child of the stage's engine core)."""
     talker = {
         info.pid
-        for info in watchdog.tracker.live()
+        for info in live_processes(watchdog)
         if info.stage == TALKER and info.role is ProcessRole.WORKER
     }
     children = []
@@ -343,7 +346,8 @@ def test_legit_work_is_waited_for_and_what_stops_advancing_is_judged_by_its_caus
                 for watcher in watchers:
                     watcher.cancel()
             # What the watchdog did and saw comes first: a failed answer is its consequence.
-            assert not watchdog.policy.incidents(), (watchdog.policy.incidents(), seen[-5:])
+            incidents = await incidents_now(watchdog)
+            assert not incidents, (incidents, seen[-5:])
             assert not worse, (worse, seen[-5:])
             assert status == 200, (body, seen[-5:])
             named = {shown["cause"] for shown in seen}

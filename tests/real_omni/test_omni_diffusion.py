@@ -275,9 +275,10 @@ def test_a_raise_in_one_image_is_a_request_error_and_the_stage_serves_on(
             answer = await post(session, url, image_chat_body())
             assert answer is not None and answer[0] == 200, answer
             assert not watchdog.state.remediation.open_incident
+            report = watchdog.state.report
+            assert report is not None
             assert all(
-                s.state not in (StageState.STALLED, StageState.DEAD)
-                for s in watchdog.state.report.statuses
+                s.state not in (StageState.STALLED, StageState.DEAD) for s in report.statuses
             )
 
     asyncio.run(scenario())

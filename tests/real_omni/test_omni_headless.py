@@ -24,7 +24,7 @@ import explain
 import psutil
 import pytest
 from deadline import wait_for
-from e2e.harness import RECOVERED, incident_done
+from e2e.harness import RECOVERED, incident_done, incidents_now, live_processes
 from ports import free_port
 from real_omni.headless import READY_TIMEOUT, Deployment, HeadlessStage, start_deployment
 from real_omni.server import OMNI_FAST, watched
@@ -155,7 +155,7 @@ def test_each_host_s_watchdog_acts_on_its_own_stage_and_the_head_s_never_across(
             await wait_for(lambda: watching_its_stage(talker_dog), 60)
             await wait_for(lambda: watching_its_stage(code2wav_dog), 60)
             await wait_for(lambda: seen_remote(head, 1) and seen_remote(head, 2), 60)
-            head_pids = {p.pid for p in head.tracker.live()}
+            head_pids = {p.pid for p in live_processes(head)}
 
             # Stage 1's engine core dies: vLLM-Omni evicts it and its tree ends by itself;
             # its own watchdog records that and whatever was left, the head's only judges.
@@ -177,9 +177,9 @@ def test_each_host_s_watchdog_acts_on_its_own_stage_and_the_head_s_never_across(
                 ),
                 30,
             )
-            assert head.policy.incidents() == []
+            assert await incidents_now(head) == ()
             assert all(psutil.pid_exists(pid) for pid in head_pids)
-            assert code2wav_dog.policy.incidents() == []
+            assert await incidents_now(code2wav_dog) == ()
 
             # The head dies for good: stage 2 is orphaned and holds on; its own watchdog
             # ends it once the link has been down past its grace.

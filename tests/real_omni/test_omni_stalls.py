@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from e2e.harness import (
     OPERATOR_TOKEN,
     RECOVERED,
     closed_by_id,
+    held_back,
+    incident_by_id,
     incident_done,
     oncall,
     state,
@@ -103,7 +106,13 @@ def test_blocked_forward_is_planned_in_dry_run_and_ended_once_on_call_approves(
                 watchdog, "remediate", "--incident", plan.incident_id, "--yes"
             )
             assert code == 0, err
-            approved = next(i for i in watchdog.policy.incidents() if i.incident_id in out)
+            approved = await wait_for(
+                lambda: next(
+                    (i for i in watchdog.state.remediation.incidents if i.incident_id in out),
+                    None,
+                ),
+                10,
+            )
             incident = await wait_for(lambda: closed_by_id(watchdog, approved.incident_id), 90)
             # The admin endpoint takes the request. vLLM-Omni's own shutdown takes 12-16 s,
             # and on two busy cores it once outlasted the 20 s grace; terminate ends it then.
@@ -132,20 +141,22 @@ def test_stopped_stage_engine_is_held_by_a_pause_and_the_tree_ended_after_it(
             assert code == 0, err
             server.signal(engine, signal.SIGSTOP)
             in_background(server, session)
-            found = await wait_for(lambda: watchdog.policy.incidents(), 90)
+            found = await wait_for(lambda: watchdog.state.remediation.incidents, 90)
             incident_id = found[0].incident_id
-            await wait_for(lambda: "held" in watchdog.policy.incident(incident_id).timeline, 60)
+            await wait_for(lambda: held_back(watchdog, incident_id), 60)
             # Held: the evidence is captured, the server untouched while the pause lasts,
             # through evaluations that still judge the stage stalled.
-            held_at = watchdog.clock.monotonic()
+            held_at = time.monotonic()  # the watchdog runs on the system clock
             await wait_for(
                 lambda: (
-                    watchdog.state.report.time >= held_at + HELD_FOR_S
+                    (report := watchdog.state.report) is not None
+                    and report.time >= held_at + HELD_FOR_S
                     and state(watchdog, thinker) is StageState.STALLED
                 ),
                 60,
             )
-            held = watchdog.policy.incident(incident_id)
+            held = incident_by_id(watchdog, incident_id)
+            assert held is not None
             assert [s.step for s in held.steps] == [StepName.CAPTURE], steps_of(held)
             assert server.process.poll() is None and closed_by_id(watchdog, incident_id) is None
 

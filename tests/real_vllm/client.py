@@ -11,6 +11,7 @@ import aiohttp
 from deadline import wait_for
 from real_vllm.server import MODEL_NAME, VllmServer
 
+from omni_watchdog.app import Watchdog
 from omni_watchdog.probes.span_store import SpanRecord
 from omni_watchdog.types import EvidenceKind
 
@@ -96,8 +97,8 @@ async def health_status(session: aiohttp.ClientSession, server: VllmServer) -> i
         return None
 
 
-def all_spans(watchdog: Any) -> list[SpanRecord]:
-    store = watchdog.store
+def all_spans(watchdog: Watchdog) -> list[SpanRecord]:
+    store = watchdog.spans
     return [record for stage in (*store.stages(), None) for record in store.recent(stage)]
 
 

@@ -449,7 +449,7 @@ async def watching(
             lambda: (
                 watchdog.state.report
                 and watchdog.state.report.warmed_up
-                and watchdog.tracker.generation > 0
+                and watchdog.state.target.generation > 0
             ),
             30,
         )

@@ -18,7 +18,15 @@ from typing import Any
 import aiohttp
 import pytest
 from deadline import wait_for
-from e2e.harness import RECOVERED, incident_done, state, steps_of
+from e2e.harness import (
+    RECOVERED,
+    incident_done,
+    incidents_now,
+    last_heartbeat,
+    live_processes,
+    state,
+    steps_of,
+)
 from real_vllm.client import (
     ASK_EVERY,
     LONG_REQUEST,
@@ -95,7 +103,7 @@ def test_attaches_maps_the_tree_and_sees_spans_and_progress(
             watching(shared_server, tmp_path, mode="observe") as watchdog,
             aiohttp.ClientSession() as session,
         ):
-            roles = {info.pid: (info.role, info.stage) for info in watchdog.tracker.live()}
+            roles = {info.pid: (info.role, info.stage) for info in live_processes(watchdog)}
             assert roles[shared_server.process.pid][0] is ProcessRole.API
             assert roles[engine.pid] == (ProcessRole.ENGINE, STAGE)
             assert roles[worker.pid] == (ProcessRole.WORKER, STAGE)
@@ -123,7 +131,7 @@ def test_attaches_maps_the_tree_and_sees_spans_and_progress(
             )
             assert all(s.stage == STAGE and s.kind == SPAN_KIND_SERVER for s in ours), ours
             assert state(watchdog, STAGE) is StageState.HEALTHY
-            assert not watchdog.policy.incidents()
+            assert not await incidents_now(watchdog)
 
     asyncio.run(scenario())
 
@@ -145,7 +153,7 @@ def test_plugin_heartbeats_arrive_from_the_engine_core(
             )
             assert beats[0].stage == STAGE
             # The detector reads a kept span at the next collection, a probe interval later.
-            await wait_for(lambda: watchdog.detector.last_heartbeat(STAGE) is not None, 10)
+            await wait_for(lambda: last_heartbeat(watchdog, STAGE) is not None, 10)
 
     asyncio.run(scenario())
 
@@ -237,7 +245,7 @@ def test_healthy_server_under_load_is_never_touched(
                 served += len(statuses)
                 seen.add(state(watchdog, STAGE))
             assert seen <= {StageState.HEALTHY, StageState.DEGRADED}, seen
-            assert not watchdog.policy.incidents()
+            assert not await incidents_now(watchdog)
             assert served > 20
             assert shared_server.process.poll() is None
 
