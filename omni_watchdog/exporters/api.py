@@ -21,7 +21,8 @@ from omni_watchdog.exporters.views import incident_summary, status_of, target_he
 from omni_watchdog.jsonable import to_jsonable
 from omni_watchdog.types import Clock, Incident, IncidentBundles, OperatorAction, WatchdogState
 
-# /healthz fails when the last evaluation is older than this (20 evaluation intervals):
+# /healthz fails when the last evaluation is older than this (20 evaluation intervals, 5
+# while the server is at rest):
 # judging has stopped, and the watchdog could not see a hang.
 EVALUATION_STALE_AFTER = 5.0
 # Reads of a bundle (a report, stacks, an incident's files) that run at once, each in a
