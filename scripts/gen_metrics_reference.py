@@ -32,17 +32,16 @@ RULES = ROOT / "alerts" / "omni-watchdog.rules.yml"
 sys.path.insert(0, str(ROOT / "tests"))
 
 from exporters.watchdog_state import (  # noqa: E402
-    STALLED_STAGE,
     Scripted,
     headless_state,
     scripted_state,
+    working_state,
 )
 
 from omni_watchdog.config import WatchdogConfig  # noqa: E402
 from omni_watchdog.exporters.prometheus import PREFIX  # noqa: E402
 from omni_watchdog.self_health import ProbeBoard  # noqa: E402
 from omni_watchdog.stats import WatchdogStats  # noqa: E402
-from omni_watchdog.types import SilenceCause, StageCause, StageRef  # noqa: E402
 
 # What each label means. Labels whose values are a closed set have them listed per family.
 LABELS = {
@@ -88,24 +87,6 @@ class Family:
     seen: bool = False
     # Label values every scrape carries from the start.
     values: dict[str, list[str]] = dataclasses.field(default_factory=dict)
-
-
-def working_state() -> Scripted:
-    """The scripted story with its stalled stage's work advancing (a JIT build) past its
-    budget: the only series of `stage_work_seconds`."""
-    scripted = scripted_state()
-    state = scripted.state
-    assert state.report is not None
-    now = scripted.clock.monotonic()
-    building = StageCause(
-        SilenceCause.WAITING_ON_CHILD, now - 100.0, True, "g++ pid 7 at 98 %", now - 700.0
-    )
-    statuses = tuple(
-        dataclasses.replace(s, cause=building) if s.stage == StageRef(STALLED_STAGE) else s
-        for s in state.report.statuses
-    )
-    report = dataclasses.replace(state.report, statuses=statuses)
-    return Scripted(dataclasses.replace(state, report=report), scripted.clock)
 
 
 def resting_state() -> Scripted:

@@ -22,12 +22,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from exporters.watchdog_state import (
     HOST,
     REMOTE_HOST,
-    STALLED_STAGE,
     START,
     Scripted,
     headless_state,
     scripted_incidents,
     scripted_state,
+    working_state,
 )
 from fakes import FakePsutil
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,8 +46,6 @@ from omni_watchdog.types import (
     IncidentOutcome,
     Observation,
     ObservationKind,
-    SilenceCause,
-    StageCause,
     StageRef,
     StageState,
     StepName,
@@ -179,21 +177,8 @@ def test_state_shows_the_scripted_story(scripted: Scripted) -> None:
 def test_a_stage_working_past_its_budget_shows_its_work_beside_the_budget(
     scripted: Scripted,
 ) -> None:
-    state = scripted.state
-    assert state.report is not None
-    now = scripted.clock.monotonic()
     # A JIT build: 700 s of work advancing, its compiler child waited on for the last 100.
-    building = StageCause(
-        SilenceCause.WAITING_ON_CHILD, now - 100.0, True, "g++ pid 7 at 98 %", now - 700.0
-    )
-    statuses = tuple(
-        dataclasses.replace(s, cause=building) if s.stage == StageRef(STALLED_STAGE) else s
-        for s in state.report.statuses
-    )
-    working = dataclasses.replace(
-        state, report=dataclasses.replace(state.report, statuses=statuses)
-    )
-    found = samples(Scripted(working, scripted.clock).rendered())
+    found = samples(working_state().rendered())
     stage = (("host", HOST), ("replica", "0"), ("stage", "1"), ("stage_name", "stage-1"))
     cause = (("cause", "waiting_on_child"),)
     assert found[("omni_watchdog_stage_work_seconds", (*cause, *stage))] == 700.0

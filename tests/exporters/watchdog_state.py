@@ -46,6 +46,7 @@ from omni_watchdog.types import (
     SilenceCause,
     SpanOutcome,
     Stage,
+    StageCause,
     StageRef,
     StepName,
     StepOutcome,
@@ -439,3 +440,21 @@ def headless_state() -> Scripted:
         link=link,
     )
     return Scripted(headless, scripted.clock)
+
+
+def working_state() -> Scripted:
+    """The scripted story with its stalled stage's work advancing (a JIT build) past its
+    budget: the only series of `stage_work_seconds`."""
+    scripted = scripted_state()
+    state = scripted.state
+    assert state.report is not None
+    now = scripted.clock.monotonic()
+    building = StageCause(
+        SilenceCause.WAITING_ON_CHILD, now - 100.0, True, "g++ pid 7 at 98 %", now - 700.0
+    )
+    statuses = tuple(
+        dataclasses.replace(s, cause=building) if s.stage == StageRef(STALLED_STAGE) else s
+        for s in state.report.statuses
+    )
+    report = dataclasses.replace(state.report, statuses=statuses)
+    return Scripted(dataclasses.replace(state, report=report), scripted.clock)
