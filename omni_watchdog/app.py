@@ -57,6 +57,7 @@ from omni_watchdog.types import (
     Observation,
     ObservationKind,
     Probe,
+    ProcessStatus,
     RestingProbe,
     Topology,
     WatchdogState,
@@ -69,13 +70,14 @@ EVALUATE_EVERY = 0.25
 # a timeout running out (`next_due`), an exit or a failed answer, or observations that end
 # the rest, and each of them wakes the evaluation.
 EVALUATE_AT_REST = 1.0
-# Probes with nothing to read while the server is at rest look this many times less often
-# then, and at once when the rest ends: the activity probe reads only silent stages, and
-# at rest none is.
+# Probes that look this many times less often while the server is at rest, and at once
+# when the rest ends: the activity probe reads only silent stages, and at rest none is;
+# the process scan finds what an idle server does not do (a new process, a stopped one),
+# and whatever it finds that is not routine ends the rest.
 AT_REST_STRETCH = 4
-LOOK_LESS_AT_REST = frozenset({ActivityProbe.name})
-# What an idle, well server sends all the time; anything else may be a request, an error
-# or a change of pipeline, and is judged at once.
+LOOK_LESS_AT_REST = frozenset({ActivityProbe.name, ProcessTracker.name})
+# What an idle, well server sends all the time; anything else (a request, an error, a
+# change of pipeline, a process stopped or gone: `routine_at_rest`) is judged at once.
 ROUTINE_AT_REST = frozenset(
     {
         ObservationKind.HEARTBEAT,
@@ -89,6 +91,9 @@ ROUTINE_AT_REST = frozenset(
         ObservationKind.GPU_DEVICE,
         ObservationKind.ACTIVITY,
     }
+)
+UNROUTINE_STATUSES = frozenset(
+    {ProcessStatus.STOPPED, ProcessStatus.DISK_SLEEP, ProcessStatus.ZOMBIE, ProcessStatus.EXITED}
 )
 # How long `stop` waits for the loops to end before it gives up on them.
 STOP_PATIENCE = 5.0
@@ -308,7 +313,7 @@ class Watchdog:
             self._look_now[GpuProbe.name].set()
         if exited or _failed_answer(observations):
             self._judge_now.set()
-        if self._at_rest and any(obs.kind not in ROUTINE_AT_REST for obs in observations):
+        if self._at_rest and not all(routine_at_rest(obs) for obs in observations):
             self._end_rest()
             self._judge_now.set()
         if probe is self._tracker and self._tracker.generation != self._generation:
@@ -319,6 +324,7 @@ class Watchdog:
         self._at_rest = False
         for name in LOOK_LESS_AT_REST & self._look_now.keys():
             self._look_now[name].set()
+        self._tracker.wake()
 
     def _offer_topology(self, offered: Topology) -> None:
         """Use a topology learned from the server when it is better informed than the one
@@ -430,6 +436,13 @@ async def _rest_unless(wake: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(wake.wait(), seconds)
     wake.clear()
+
+
+def routine_at_rest(obs: Observation) -> bool:
+    """Whether an idle, well server sends this all the time (see `ROUTINE_AT_REST`)."""
+    if obs.kind is ObservationKind.PROCESS:
+        return obs.outcome not in UNROUTINE_STATUSES
+    return obs.kind in ROUTINE_AT_REST
 
 
 def _failed_answer(observations: Sequence[Observation]) -> bool:

@@ -166,6 +166,7 @@ class ProcessTracker:
         if pid is None and target_port is None and not headless:
             raise ValueError("ProcessTracker needs the server's pid or its port")
         self._headless = headless
+        self._woken = asyncio.Event()
         # Look-alike headless servers among which none has proven itself yet.
         self._unproven: tuple[int, ...] = ()
         self._psutil = process_table
@@ -308,12 +309,22 @@ class ProcessTracker:
         return observations
 
     async def rest(self, seconds: float) -> None:
-        """Wait until the next scan is due, or until the kernel says a recorded process
-        exited: the scan that records the exit then runs at once."""
-        if self._exits is None:
-            await asyncio.sleep(seconds)
-        else:
-            await self._exits.rest(seconds)
+        """Wait until the next scan is due, until the kernel says a recorded process
+        exited (the scan that records the exit then runs at once), or until `wake`."""
+        resting = asyncio.ensure_future(
+            asyncio.sleep(seconds) if self._exits is None else self._exits.rest(seconds)
+        )
+        woken = asyncio.ensure_future(self._woken.wait())
+        try:
+            await asyncio.wait((resting, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            resting.cancel()
+            woken.cancel()
+        self._woken.clear()
+
+    def wake(self) -> None:
+        """Scan now rather than at the end of the rest: what the scan reads matters again."""
+        self._woken.set()
 
     def close(self) -> None:
         """Let go of the exit notices' descriptors."""

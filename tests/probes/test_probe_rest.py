@@ -1,7 +1,8 @@
 """Probes that rest until they have something to read, instead of being polled.
 
 The span receiver is collected when a body brings observations (or while spans wait for
-their sender, at its period); the canary probe looks again when a canary can next be due.
+their sender, at its period); the canary probe looks again when a canary can next be due;
+the process tracker's long rest while the server is at rest ends when it is woken.
 What each waits for is read from the `asyncio.sleep` and wake-ups it asks for, so no test
 waits out a timer.
 """
@@ -12,18 +13,29 @@ import asyncio
 from typing import Any
 
 import pytest
-from fakes import FakeSenders
+from fakes import FakePsutil, FakeSenders
 from otlp_bodies import batch
 
+from omni_watchdog.app import routine_at_rest
 from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import ProbesConfig, SpansConfig
 from omni_watchdog.probes import spans as spans_module
 from omni_watchdog.probes.canary import CanaryProbe
 from omni_watchdog.probes.otlp_decode import PROTOBUF
+from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import SpanReceiver
 from omni_watchdog.semconv import HEARTBEAT_SPAN, PROCESS_PID, PROCESS_START_TICKS, STAGE_ID
-from omni_watchdog.types import CanaryPlan
+from omni_watchdog.types import (
+    CanaryPlan,
+    HealthOutcome,
+    Observation,
+    ObservationKind,
+    ProcessStatus,
+    Stage,
+    StageRef,
+    Topology,
+)
 
 SENDER = {PROCESS_PID: 4242, PROCESS_START_TICKS: 777}
 BEAT = batch({**SENDER, STAGE_ID: 0}, [(HEARTBEAT_SPAN, {})])
@@ -152,3 +164,65 @@ def test_the_canary_probe_rests_until_a_canary_can_be_due(
     asyncio.run(probe.rest(CHECK))
     assert sleeps.asked == [pytest.approx(rest)]
     assert probe.due() is (rest == CHECK)
+
+
+def test_a_resting_tracker_scans_as_soon_as_it_is_woken() -> None:
+    async def scenario() -> bool:
+        table = FakePsutil(port=9)
+        tracker = ProcessTracker(
+            table,
+            FakeClock(),
+            own_pid=50,
+            target_port=9,
+            pid=None,
+            topology=Topology((Stage(0, "engine"),)),
+            start_time=table.start_time,
+        )
+        resting = asyncio.create_task(tracker.rest(NEVER))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        asleep = not resting.done()
+        tracker.wake()
+        await asyncio.wait_for(resting, 5.0)
+        # A wake is spent by the rest it ended: the next rest is a whole one.
+        again = asyncio.create_task(tracker.rest(NEVER))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        spent = not again.done()
+        again.cancel()
+        return asleep and spent
+
+    assert asyncio.run(scenario())
+
+
+def process(status: ProcessStatus) -> Observation:
+    return Observation(ObservationKind.PROCESS, 10.0, StageRef(0), outcome=status)
+
+
+ROUTINE_ROWS = {
+    "a heartbeat": (Observation(ObservationKind.HEARTBEAT, 10.0, StageRef(0)), True),
+    "/health answering": (
+        Observation(ObservationKind.HEALTH, 10.0, outcome=HealthOutcome.OK),
+        True,
+    ),
+    "a process asleep": (process(ProcessStatus.SLEEPING), True),
+    "a process running": (process(ProcessStatus.RUNNING), True),
+    "a process stopped": (process(ProcessStatus.STOPPED), False),
+    "a process in D state": (process(ProcessStatus.DISK_SLEEP), False),
+    "a process gone": (process(ProcessStatus.EXITED), False),
+    "a request admitted": (
+        Observation(ObservationKind.REQUEST_ADMITTED, 10.0, request_id="r", path=(0,)),
+        False,
+    ),
+    "a stage span": (Observation(ObservationKind.STAGE_SPAN, 10.0, StageRef(0), 0.5), False),
+    "a denoising step": (Observation(ObservationKind.DENOISE_STEP, 10.0, StageRef(0)), False),
+}
+
+
+@pytest.mark.parametrize(
+    ("observation", "routine"), ROUTINE_ROWS.values(), ids=list(ROUTINE_ROWS.keys())
+)
+def test_only_what_an_idle_server_sends_all_the_time_keeps_the_rest(
+    observation: Observation, routine: bool
+) -> None:
+    assert routine_at_rest(observation) is routine
