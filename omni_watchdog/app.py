@@ -166,6 +166,7 @@ class Watchdog:
         self._traces = traces
         self.state: WatchdogState = assembler.make(topology, None, None)
         self._last_evaluation: float | None = None
+        self._last_report: DetectorReport | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._look_now = {probe.name: asyncio.Event() for probe, _ in periodic}
         self._judge_now = asyncio.Event()
@@ -231,7 +232,7 @@ class Watchdog:
         """The routes of `--listen`, the operator's actions among them, as `start` serves
         them; a test may serve them in-process before the loops run."""
         app = self._api.app()
-        self._operator.add_routes(app)
+        self._operator.add_routes(app, self._republish)
         return app
 
     @property
@@ -407,11 +408,23 @@ class Watchdog:
         self._policy.on_report(report, self._target.snapshot)
         closed = tuple(self._stats.count_incidents(self._policy.incidents()))
         self._last_evaluation = self._clock.monotonic()
+        self._last_report = report
         if self._at_rest and not (report.at_rest and not self._policy.busy):
             self._end_rest()
         else:
             self._at_rest = report.at_rest and not self._policy.busy
         self._publish(self._assembler.make(self._topology, report, self._last_evaluation, closed))
+
+    def _republish(self) -> None:
+        """An operator's action shows in the very next answer of the API (a pause in
+        `status`), not only after the next evaluation, a second away at rest: the state
+        is made again around the last report."""
+        try:
+            self._publish(
+                self._assembler.make(self._topology, self._last_report, self._last_evaluation)
+            )
+        except Exception as error:
+            self._errors.record("evaluate", error)
 
     def _publish_self_health(self) -> None:
         """After a failed evaluation the last state stands, with the failure counted in

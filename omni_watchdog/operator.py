@@ -80,8 +80,14 @@ class OperatorActions:
         self._told_at: float | None = None
         # When each action journaled in the last hour came (monotonic).
         self._journaled: deque[float] = deque()
+        self._after_change: Callable[[], None] = lambda: None
 
-    def add_routes(self, app: web.Application) -> None:
+    def add_routes(
+        self, app: web.Application, after_change: Callable[[], None] = lambda: None
+    ) -> None:
+        """Serve the actions on `app`; `after_change` runs after each accepted one, so that
+        what the API shows next already holds it."""
+        self._after_change = after_change
         app.router.add_post("/v1/remediate", self._remediate)
         app.router.add_post("/v1/pause", self._pause)
         app.router.add_post("/v1/resume", self._resume)
@@ -232,6 +238,8 @@ class OperatorActions:
             detail=detail,
         )
         self._journal.record_action(record)
+        if outcome == "accepted":
+            self._after_change()
 
     def _refused(self, action: str, detail: str) -> None:
         """A caller without the token, or over the hourly bound: counted (`/metrics`),

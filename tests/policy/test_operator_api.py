@@ -247,3 +247,38 @@ def test_remediate_answers_with_the_incident_and_its_planned_steps(
     assert answer["mode"] == "enforce"
     assert answer["steps"] == ["capture", "terminate", "kill", "verify"]
     assert actions.counts[("remediate", "accepted")] == 1
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "changes"),
+    [
+        (RIGHT, {"seconds": 60, "reason": "upgrade"}, 1),
+        ({"Authorization": "Bearer not-the-token"}, {"seconds": 60, "reason": "upgrade"}, 0),
+        (RIGHT, {"seconds": "soon", "reason": "upgrade"}, 0),
+    ],
+    ids=["accepted", "refused", "bad request"],
+)
+def test_an_accepted_action_is_shown_at_once_and_no_other_is(
+    tmp_path: Path,
+    fake_psutil: FakePsutil,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    changes: int,
+) -> None:
+    """The API shows the state of the last evaluation, a second old while the server is at
+    rest: an accepted action has the state made again, so `status` right after `pause`
+    says paused."""
+    rig = Rig(tmp_path, fake_psutil, Mode.ENFORCE)
+    told: list[bool] = []
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            actions = actions_app(rig, session, TOKEN)
+            app = web.Application()
+            actions.add_routes(app, lambda: told.append(actions._window.current() is not None))
+            async with TestClient(TestServer(app)) as client:
+                await client.post("/v1/pause", headers=headers, json=body)
+
+    asyncio.run(scenario())
+    # Told after the change was made, never before it or for a change that was not.
+    assert told == [True] * changes
