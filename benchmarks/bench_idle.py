@@ -134,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             note=(
                 "`omni-watchdog run` at the default settings (observe mode, the example "
                 "config, no GPU backend: /health every 1 s, the canary every 3 s while nothing "
-                "else progresses; at rest, the stages judged every 1 s, the process scan and "
-                "the activity probe every 2 s, the spans collected when they come) watching "
+                "else progresses; at rest, the stages judged every 1 s, the watchdog's own "
+                "sight every 0.5 s, the process scan and the activity probe every 2 s, the "
+                "whole process table listed only when a process was born, the spans "
+                "collected when they come) watching "
                 "the idle simulated server, "
                 "its plugin beating every 1 s; CPU time read with psutil from outside, the "
                 f"median of {WINDOWS} windows of {WINDOW_SECONDS:g} s after warm-up; RSS the "

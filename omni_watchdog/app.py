@@ -37,7 +37,13 @@ from omni_watchdog.probes.health import HealthProbe
 from omni_watchdog.probes.processes import ProcessTracker
 from omni_watchdog.probes.span_store import SpanStore
 from omni_watchdog.probes.spans import SpanReceiver
-from omni_watchdog.self_health import SIGHT_EVERY, InternalErrors, LoopSight, ProbeBoard
+from omni_watchdog.self_health import (
+    SIGHT_AT_REST,
+    SIGHT_EVERY,
+    InternalErrors,
+    LoopSight,
+    ProbeBoard,
+)
 from omni_watchdog.serving import (
     Listener,
     ListenerLimits,
@@ -170,6 +176,7 @@ class Watchdog:
         self._tasks: list[asyncio.Task[None]] = []
         self._look_now = {probe.name: asyncio.Event() for probe, _ in periodic}
         self._judge_now = asyncio.Event()
+        self._sight_now = asyncio.Event()
         self._at_rest = False
         self._asking_until = 0.0
         self._generation = 0
@@ -323,6 +330,8 @@ class Watchdog:
     def _end_rest(self) -> None:
         """The server is no longer at rest: the probes that looked less often look now."""
         self._at_rest = False
+        self._sight.pace(SIGHT_EVERY)
+        self._sight_now.set()
         for name in LOOK_LESS_AT_REST & self._look_now.keys():
             self._look_now[name].set()
         self._tracker.wake()
@@ -377,7 +386,10 @@ class Watchdog:
     async def _sight_loop(self) -> None:
         while True:
             self._sight.look()
-            await asyncio.sleep(SIGHT_EVERY)
+            if self._at_rest:
+                await _rest_unless(self._sight_now, self._sight.period)
+            else:
+                await asyncio.sleep(self._sight.period)
 
     async def _evaluate_loop(self) -> None:
         while True:
@@ -413,6 +425,7 @@ class Watchdog:
             self._end_rest()
         else:
             self._at_rest = report.at_rest and not self._policy.busy
+            self._sight.pace(SIGHT_AT_REST if self._at_rest else SIGHT_EVERY)
         self._publish(self._assembler.make(self._topology, report, self._last_evaluation, closed))
 
     def _republish(self) -> None:

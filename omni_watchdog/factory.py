@@ -89,6 +89,7 @@ def this_host() -> ProcessHost:
         exit_notices=ExitNotices(process_start.start_time),
         socket_owners=SocketOwners(),
         activity_proc=process_start.PROC,
+        last_pid=process_start.last_pid,
     )
 
 
@@ -171,6 +172,7 @@ def _assemble(
         server_topology=read_server_config,
         exit_notices=host.exit_notices,
         cpu_wait=host.cpu_waits,
+        last_pid=host.last_pid,
     )
     # Without the process probe nothing records the senders' processes: spans are then
     # judged only against the topology.

@@ -24,6 +24,7 @@ PROC = Path("/proc")
 # Fields of /proc/<pid>/stat counted after the command name: state is 0, starttime 19.
 _STARTTIME_FIELD = 19
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+LAST_PID_PATH = Path("/proc/sys/kernel/ns_last_pid")
 
 
 def start_ticks(pid: int, proc: Path = PROC) -> int:
@@ -66,6 +67,13 @@ def boot_id() -> str:
         return BOOT_ID_PATH.read_text().strip()
     except OSError:
         return ""
+
+
+def last_pid() -> int:
+    """The pid this kernel handed out last in the reader's pid namespace. A fork in any
+    namespace below it takes a pid here too, so while this number stands no process was
+    born anywhere this /proc shows; OSError where the kernel does not tell it."""
+    return int(LAST_PID_PATH.read_text())
 
 
 def sender_attributes(pid: int) -> dict[str, int | str]:

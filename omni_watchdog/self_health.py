@@ -19,11 +19,15 @@ logger = logging.getLogger("omni_watchdog.app")
 INTERNAL_ERROR_LOOPS = ("evaluate", "ingest", "ladder", "listener")
 # Distinct internal errors logged with their traceback; repeats are only counted.
 _LOGGED_ERRORS_LIMIT = 256
-# The sight loop looks this often. A gap between looks longer than BLIND_AFTER means the
+# The sight loop looks this often. A look more than LATE_ALLOWED after it was due means the
 # loop could not run: scheduling jitter is milliseconds; a process starved of CPU by the
 # server it watches, measured on two cores, stops for tenths of seconds up to 3 s.
 SIGHT_EVERY = 0.1
-BLIND_AFTER = 0.2
+LATE_ALLOWED = 0.1
+# While the server is at rest the loop looks this often: a blind spell shorter than
+# SIGHT_AT_REST + LATE_ALLOWED then goes unseen, which no heartbeat timeout (seconds)
+# feels, and the loop wakes a fifth as often. Rest ends on the first news.
+SIGHT_AT_REST = 0.5
 # A spell this long is logged, at most once per LOG_BLIND_EVERY with the count between.
 LOGGED_BLIND_SPELL = 1.0
 LOG_BLIND_EVERY = 60.0
@@ -86,28 +90,38 @@ class ProbeBoard:
 class LoopSight:
     """Whether the watchdog's event loop runs when it should.
 
-    The sight loop looks every `SIGHT_EVERY`, and so does every probe result before it is
-    taken in. A look that comes more than `BLIND_AFTER` after the one before means nothing
-    ran in between: the spell is handed to `on_blind` (the detector, which then does not
-    count it as the server's silence) and counted for `/metrics`.
+    The sight loop looks every `period` (`SIGHT_EVERY`, or `SIGHT_AT_REST` while the server
+    is at rest), and so does every probe result before it is taken in. A look that comes
+    more than `LATE_ALLOWED` after the one due next means nothing ran in between: the
+    spell is handed to `on_blind` (the detector, which then does not count it as the
+    server's silence) and counted for `/metrics`.
     """
 
     def __init__(self, clock: Clock, on_blind: Callable[[float, float], None]) -> None:
         self._clock = clock
         self._on_blind = on_blind
         self._last_look: float | None = None
+        self.period = SIGHT_EVERY
+        # The period when the last look was made: the loop's next look was due after it,
+        # even if the period has shortened since.
+        self._period_at_last_look = SIGHT_EVERY
         self._last_logged: float | None = None
         self._unlogged = 0
         self.blind_seconds = 0.0
         self.blind_spells = 0
 
+    def pace(self, period: float) -> None:
+        """Look every `period` from the next look on."""
+        self.period = period
+
     def look(self) -> None:
         now = self._clock.monotonic()
         last, self._last_look = self._last_look, now
-        if last is None or now - last <= BLIND_AFTER:
+        period, self._period_at_last_look = self._period_at_last_look, self.period
+        if last is None or now - last <= period + LATE_ALLOWED:
             return
         # The loop was due to run one period after the last look; blind from then on.
-        start = last + SIGHT_EVERY
+        start = last + period
         self.blind_seconds += now - start
         self.blind_spells += 1
         self._on_blind(start, now)

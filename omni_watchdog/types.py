@@ -1107,8 +1107,10 @@ class ProcessHost:
     happen, else found by the next scan. `socket_owners`: a loopback span sender's pid
     checked against its connection, else not checked. `activity_proc`: the /proc where a
     silent stage's processes are read (and, by pid, py-spy samples their stacks), else no
-    activity probe runs. A host's readers keep what they read of its processes: one host
-    goes with one watchdog.
+    activity probe runs. `last_pid`: the pid handed out last, which stands while no
+    process is born, so a scan reads the tree it knows rather than the whole table (a fork
+    is the only way into a tree), else every scan lists the whole table. A host's readers
+    keep what they read of its processes: one host goes with one watchdog.
     """
 
     process_table: ProcessTable
@@ -1117,6 +1119,7 @@ class ProcessHost:
     exit_notices: ExitWatch | None = None
     socket_owners: SocketHolders | None = None
     activity_proc: Path | None = None
+    last_pid: Callable[[], int] | None = None
 
 
 class NvmlMemory(Protocol):

@@ -88,10 +88,15 @@ class FakeProcess:
         return FakeCpuTimes(user=1.5, system=0.5)
 
     def children(self, recursive: bool) -> list[FakeProcess]:
+        self.table.listings += 1
         direct = [p for p in self.table.table.values() if p.parent == self.pid]
-        if not recursive:
-            return direct
-        return direct + [grandchild for child in direct for grandchild in child.children(True)]
+        return self._descendants(direct) if recursive else direct
+
+    def _descendants(self, direct: list[FakeProcess]) -> list[FakeProcess]:
+        found = list(direct)
+        for process in found:
+            found.extend(p for p in self.table.table.values() if p.parent == process.pid)
+        return found
 
     def parents(self) -> list[FakeProcess]:
         parent = self.table.table.get(self.parent)
@@ -137,6 +142,10 @@ class FakePsutil:
         self.port = port
         self.signals: list[tuple[str, int, int]] = []
         self._last_start = 1.0
+        # Processes added, which moves on at each as the kernel's last pid does, and
+        # children() calls, each of which lists the whole table in psutil.
+        self.births = 0
+        self.listings = 0
 
     def add(
         self,
@@ -154,6 +163,7 @@ class FakePsutil:
         if create_time is None:
             create_time = self._last_start + 1.0
         self._last_start = create_time
+        self.births += 1
         argv = cmdline.split() if isinstance(cmdline, str) else cmdline
         self.table[pid] = FakeProcess(
             self,
@@ -171,6 +181,10 @@ class FakePsutil:
         if pid not in self.table:
             raise self.NoSuchProcess(pid)
         return self.table[pid]
+
+    def last_pid(self) -> int:
+        """What `process_start.last_pid` answers: it moves on at every birth."""
+        return self.births
 
     def process_iter(self, attrs: list[str]) -> list[FakeProcess]:
         return list(self.table.values())

@@ -59,6 +59,8 @@ ROLE_OF_KIND = {
     "helper": ProcessRole.HELPER,
 }
 
+# A scan that reads only the tree it knows lists the whole table again this often.
+RELIST_EVERY = 10.0
 STATUS_OF_PSUTIL = {
     "running": ProcessStatus.RUNNING,
     "sleeping": ProcessStatus.SLEEPING,
@@ -125,6 +127,17 @@ class _Scan:
     server_topology: Topology | None = None
 
 
+@dataclass(frozen=True)
+class _Listing:
+    """A tree's descendants as the whole process table showed them, and the last pid
+    handed out before that table was read."""
+
+    root: ProcessIdentity
+    last_pid: int
+    listed_at: float
+    pids: tuple[int, ...]
+
+
 @dataclass
 class _Generation:
     """The processes recorded for one attach to one server root."""
@@ -158,11 +171,14 @@ class ProcessTracker:
         exit_notices: ExitWatch | None = None,
         headless: bool = False,
         cpu_wait: CpuWaits = lambda pid, runnable: 0.0,
+        last_pid: Callable[[], int] | None = None,
     ) -> None:
         """`headless`: without a pid, the server is found by its `--headless` command line
         (a vLLM-Omni 0.30 stage server on this host), not by a listening port. `cpu_wait`
         reads how long a process has waited for a CPU (`ThreadWaits` for this kernel's);
-        by default none is read."""
+        by default none is read. `last_pid` reads the pid handed out last: while it
+        stands, a scan reads the tree's known processes instead of listing the whole
+        table to find their children."""
         if pid is None and target_port is None and not headless:
             raise ValueError("ProcessTracker needs the server's pid or its port")
         self._headless = headless
@@ -181,6 +197,8 @@ class ProcessTracker:
         self._server_topology = server_topology
         self._exits = exit_notices
         self._cpu_wait = cpu_wait
+        self._last_pid = last_pid
+        self._listing: _Listing | None = None
         self._current: _Generation | None = None
         self._previous: _Generation | None = None
         self._learned: dict[int, tuple[StageRef, ProcessRole | None]] = {}
@@ -668,9 +686,16 @@ class ProcessTracker:
             root_snapshot = self._read(process)
             if not root.matches(root_snapshot.identity):
                 return None
+            known = self._known_descendants(root)
+            if known is not None:
+                return [root_snapshot, *self._still_descendants(root.pid, known)]
+            births = self._births()
             children = process.children(recursive=True)
         except self._psutil.NoSuchProcess:
             return None
+        if births is not None:
+            pids = tuple(child.pid for child in children)
+            self._listing = _Listing(root, births, self._clock.monotonic(), pids)
         tree = [root_snapshot]
         for child in children:
             if child.pid == self._own_pid:
@@ -680,6 +705,47 @@ class ProcessTracker:
             except self._psutil.NoSuchProcess:
                 continue
         return tree
+
+    def _births(self) -> int | None:
+        """The pid handed out last, or None where it cannot be read."""
+        if self._last_pid is None:
+            return None
+        try:
+            return self._last_pid()
+        except (OSError, ValueError):
+            return None
+
+    def _known_descendants(self, root: ProcessIdentity) -> tuple[int, ...] | None:
+        """The root's descendants of the last listing while no process was born since it
+        was made: only a fork brings a process into a tree (an orphan is handed to an
+        ancestor, never to a stranger). None when the table must be listed again; it is
+        at least every RELIST_EVERY, in case a kernel's count stands when it should not."""
+        listing = self._listing
+        if listing is None or listing.root != root:
+            return None
+        if self._clock.monotonic() - listing.listed_at >= RELIST_EVERY:
+            return None
+        births = self._births()
+        return listing.pids if births == listing.last_pid else None
+
+    def _still_descendants(self, root_pid: int, pids: Sequence[int]) -> list[_Snapshot]:
+        """The known descendants still under the root: one whose parent exited went to
+        an ancestor outside the tree (init or a subreaper) and is no longer the tree's."""
+        snapshots = []
+        for pid in pids:
+            if pid == self._own_pid:
+                continue
+            try:
+                snapshots.append(self._read(self._psutil.Process(pid)))
+            except self._psutil.NoSuchProcess:
+                continue
+        under = {root_pid}
+        grew = True
+        while grew:
+            found = {s.pid for s in snapshots if s.ppid in under and s.pid not in under}
+            under |= found
+            grew = bool(found)
+        return [snapshot for snapshot in snapshots if snapshot.pid in under]
 
     def _read_identity(self, identity: ProcessIdentity) -> _Snapshot | None:
         """The process if it still lives with the same start time, else None: it is gone."""

@@ -17,7 +17,7 @@ from omni_watchdog.clock import FakeClock
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector import Detector
 from omni_watchdog.detector.expectations import BlindSpells
-from omni_watchdog.self_health import BLIND_AFTER, SIGHT_EVERY, LoopSight
+from omni_watchdog.self_health import LATE_ALLOWED, SIGHT_AT_REST, SIGHT_EVERY, LoopSight
 from omni_watchdog.types import (
     DetectorReport,
     EvidenceKind,
@@ -260,7 +260,7 @@ def test_loop_sight_counts_only_gaps_longer_than_its_slack(
     for _ in range(10):
         clock.advance(SIGHT_EVERY)
         sight.look()
-    clock.advance(BLIND_AFTER - 0.01)  # late, but within the slack
+    clock.advance(SIGHT_EVERY + LATE_ALLOWED - 0.01)  # late, but within the slack
     sight.look()
     assert spells == [] and sight.blind_spells == 0
     lasts = []
@@ -276,3 +276,32 @@ def test_loop_sight_counts_only_gaps_longer_than_its_slack(
     assert sight.blind_seconds == pytest.approx(3 * (2.0 - SIGHT_EVERY))
     # A long spell is logged once a minute at most, not once per spell.
     assert sum("watchdog_blind" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("paces", "gaps", "spells"),
+    [
+        # At rest the loop looks every SIGHT_AT_REST: a gap of that is no spell.
+        ((SIGHT_AT_REST,), (SIGHT_AT_REST + LATE_ALLOWED - 0.01,), []),
+        ((SIGHT_AT_REST,), (2.0,), [(SIGHT_AT_REST, 2.0)]),
+        # Rest ends: the look already due after the long period is not late at the short one.
+        ((SIGHT_AT_REST, SIGHT_EVERY), (0.45, 0.15), []),
+        ((SIGHT_AT_REST, SIGHT_EVERY), (0.45, 0.3), [(0.45 + SIGHT_EVERY, 0.75)]),
+        # Rest begins: the next look is still due one short period after the last.
+        ((SIGHT_EVERY, SIGHT_AT_REST), (0.3, 0.5), [(SIGHT_EVERY, 0.3)]),
+    ],
+)
+def test_loop_sight_allows_the_gap_of_the_pace_the_last_look_was_made_at(
+    paces: tuple[float, ...], gaps: tuple[float, ...], spells: list[tuple[float, float]]
+) -> None:
+    clock = FakeClock(0.0)
+    seen: list[tuple[float, float]] = []
+    sight = LoopSight(clock, lambda start, end: seen.append((start, end)))
+    for period, gap in zip(paces, gaps, strict=True):
+        sight.pace(period)
+        sight.look()
+        clock.advance(gap)
+    sight.look()
+    assert [t for spell in seen for t in spell] == pytest.approx(
+        [t for spell in spells for t in spell]
+    )
