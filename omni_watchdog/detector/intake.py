@@ -60,19 +60,24 @@ def take_topology(target: TargetMemory, topology: Topology, now: float) -> None:
     replica that stays. One it drops is kept while it shows a signal of its own (a
     process, a heartbeat, progress): it is real, even if no source names it."""
     target.topology = topology
-    kept = {
-        ref: memory
-        for ref, memory in target.stages.items()
-        if memory.last_heartbeat is not None
-        or memory.progress_value is not None
-        or memory.processes
-    }
+    kept = {ref: memory for ref, memory in target.stages.items() if memory.shows_itself()}
     refs = topology.refs()
     target.stages = {ref: target.stages.get(ref) or StageMemory(since=now) for ref in refs}
     target.stages |= {ref: memory for ref, memory in kept.items() if ref not in refs}
     target.names = {ref: stage_name(topology, ref) for ref in target.stages}
     target.names_of_topology = frozenset(topology.refs())
     target.pid_stage = {pid: ref for pid, ref in target.pid_stage.items() if ref in target.stages}
+
+
+def _forget_unnamed(target: TargetMemory, ref: StageRef) -> None:
+    """A replica kept only for a signal of its own, whose last process was mapped to
+    another stage, is gone: a headless stage's processes mapped by spawn order to the
+    default stage 0 before its config named stage N left a stage 0 that its watchdog
+    showed, and judged dead with the orphan, on a host that never ran it."""
+    memory = target.stages.get(ref)
+    if memory is not None and ref not in target.names_of_topology and not memory.shows_itself():
+        del target.stages[ref]
+        target.names.pop(ref, None)
 
 
 def sign(config: DetectionConfig, target: TargetMemory, time: float, text: str) -> None:
@@ -266,6 +271,7 @@ def _on_process(config: DetectionConfig, target: TargetMemory, obs: Observation)
     if previous is not None and previous != info.stage and previous in target.stages:
         # Mapped by spawn order first, by title or spans later: the later map wins.
         target.stages[previous].processes.pop(info.pid, None)
+        _forget_unnamed(target, previous)
     target.pid_stage[info.pid] = info.stage
     memory = stage_memory(target, info.stage)
     if memory is None:

@@ -137,6 +137,15 @@ class StageMemory:
     # send one).
     owed_ended_at: float = 0.0
 
+    def shows_itself(self) -> bool:
+        """Whether it gave a signal of its own (a heartbeat, progress, a live process
+        mapped to it): a replica no source names is real while it does."""
+        return (
+            self.last_heartbeat is not None
+            or self.progress_value is not None
+            or bool(self.processes)
+        )
+
 
 @dataclass
 class TargetMemory:

@@ -8,7 +8,7 @@ import pytest
 
 from omni_watchdog.config import DetectionConfig
 from omni_watchdog.detector.expectations import BlindSpells
-from omni_watchdog.detector.intake import fold, stage_memory, unseen_timeout
+from omni_watchdog.detector.intake import fold, stage_memory, take_topology, unseen_timeout
 from omni_watchdog.detector.memory import MAX_EXTRA_STAGES, TargetMemory, attach
 from omni_watchdog.types import (
     STEP_COUNTERS,
@@ -198,3 +198,32 @@ def test_stage_replicas_beyond_the_topology_are_bounded() -> None:
     assert sum(memory is not None for memory in made) == MAX_EXTRA_STAGES
     assert len(target.stages) == 1 + MAX_EXTRA_STAGES
     assert target.names[StageRef(0, 1)] == "engine"
+
+
+def mapped(time: float, stage: StageRef) -> Observation:
+    info = ProcessInfo(
+        300, 3.0, 1, 1, 1, "python", ProcessStatus.SLEEPING, 1.0, ProcessRole.STAGE, stage
+    )
+    return Observation(Kind.PROCESS, time, process=info, outcome=info.status)
+
+
+@pytest.mark.parametrize(
+    ("also_beat", "stage_0_kept"),
+    [
+        # A headless stage 1: its process mapped by spawn order to the default stage 0,
+        # then its config names stage 1 and the process moves: no stage 0 is left.
+        (False, False),
+        # A stage 0 that beat by itself is real, whatever names it.
+        (True, True),
+    ],
+)
+def test_a_replica_kept_for_its_process_goes_when_the_process_moves(
+    also_beat: bool, stage_0_kept: bool
+) -> None:
+    target = folded([mapped(1.0, S0), *([beat(1.5)] if also_beat else [])])
+    take_topology(target, Topology((Stage(1, "talker"),)), 2.0)
+    assert S0 in target.stages
+    fold(CONFIG, target, mapped(2.5, StageRef(1)))
+    assert (S0 in target.stages) is stage_0_kept
+    assert (S0 in target.names) is stage_0_kept
+    assert set(target.stages[StageRef(1)].processes) == {300}
