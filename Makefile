@@ -14,7 +14,8 @@ PYTEST_WORKERS ?= 2
 # Tools the tests need beyond Python packages: promtool and prometheus (make/prometheus.mk),
 # Chromium for the incident report's browser test (make/chromium.mk), and the CPU builds of
 # vLLM and vLLM-Omni in their own environments for the real-server tests (make/vllm.mk,
-# make/omni.mk).
+# make/omni.mk), and iproute2 and nftables for the partition tests' lab hosts
+# (make/netlab.mk).
 -include make/*.mk
 
 $(STAMP): pyproject.toml

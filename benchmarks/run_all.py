@@ -12,6 +12,8 @@ BENCHMARKS = [
     "bench_scrape.py",
     "bench_detection.py",
     "bench_remote_stage.py",
+    # Needs root: lab hosts in network namespaces.
+    "bench_partitions.py",
     "bench_soak.py",
     "bench_overhead.py",
     "bench_memory.py",
