@@ -3,10 +3,13 @@
 Every host gets a namespace with its loopback, and one end of a veth pair on the pod
 network, a bridge in the head's namespace (198.19.0.0/24: the head .1, stage host k .1+k),
 as pods on one flat network see each other. The test, which stays in the machine's own
-namespace, reaches each host over a control link of its own (198.18.k.0/30, the host at
-.2): what it reads never crosses the pod network, so a partition of the pod network hides
-nothing from it, and no host has a route to another's control link. Both ranges are the
-ones set aside for testing network equipment (RFC 2544); no traffic leaves these links.
+namespace, reaches each host over a control link of its own (198.18.S.4k/30, the host at
+.4k+2, S the lab's slot): what it reads never crosses the pod network, so a partition of
+the pod network hides nothing from it, and no host has a route to another's control link.
+Control links are the only addresses in the machine's own namespace, so each lab claims a
+slot of its own for them: two labs at once (two test workers) never share an address.
+Both ranges are the ones set aside for testing network equipment (RFC 2544); no traffic
+leaves these links.
 
 A partition is made on the pod network, the way real networks fail: the link down (its
 bridge port, so the stage host loses carrier), or one direction dropped by the kernel's
@@ -18,9 +21,12 @@ Names the head by the name the shipped manifests give it, through `/etc/netns/<n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +35,8 @@ import psutil
 
 POD_NETWORK = "198.19.0"
 CONTROL_NETWORK = "198.18"
+SLOTS = Path(tempfile.gettempdir()) / "omni-watchdog-lab-slots"
+SLOT_COUNT = 256
 NETNS_ETC = Path("/etc/netns")
 # Namespaces of this fixture are named PREFIX<creator pid>-<host>: ones whose creator
 # died without cleaning up are removed by the next fixture.
@@ -93,8 +101,36 @@ def remove_abandoned() -> None:
         name = line.split()[0] if line.split() else ""
         creator = name[len(PREFIX) :].partition("-")[0]
         if name.startswith(PREFIX) and creator.isdigit() and not psutil.pid_exists(int(creator)):
+            # What still runs there (the creator was killed before it could end it) first.
+            for pid in _run("ip", "netns", "pids", name, check=False).split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             _run("ip", "netns", "del", name, check=False)
             shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+
+
+def claim_slot() -> int:
+    """A slot no living lab holds: a directory made atomically, naming its holder's pid. A
+    slot whose holder died is renamed away first, which only one claimant can do."""
+    SLOTS.mkdir(parents=True, exist_ok=True)
+    for slot in range(SLOT_COUNT):
+        claim = SLOTS / str(slot)
+        holder = claim / "pid"
+        with contextlib.suppress(OSError, ValueError):
+            if not psutil.pid_exists(int(holder.read_text())):
+                os.rename(claim, SLOTS / f"abandoned-{slot}-{os.getpid()}")
+                shutil.rmtree(SLOTS / f"abandoned-{slot}-{os.getpid()}", ignore_errors=True)
+        try:
+            claim.mkdir()
+        except FileExistsError:
+            continue
+        holder.write_text(str(os.getpid()))
+        return slot
+    raise Unavailable(f"every one of {SLOT_COUNT} lab slots is held ({SLOTS})")
+
+
+def release_slot(slot: int) -> None:
+    shutil.rmtree(SLOTS / str(slot), ignore_errors=True)
 
 
 class Network:
@@ -105,13 +141,14 @@ class Network:
         to the head's pod address (the manifests' service names)."""
         remove_abandoned()
         self.tag = f"{PREFIX}{os.getpid()}"
+        self.slot = claim_slot()
         self.hosts = [
             Host(
                 name,
                 index,
                 f"{self.tag}-{name}",
                 f"{POD_NETWORK}.{index + 1}",
-                f"{CONTROL_NETWORK}.{index}.2",
+                f"{CONTROL_NETWORK}.{self.slot}.{4 * index + 2}",
             )
             for index, name in enumerate([head, *stage_hosts])
         ]
@@ -146,8 +183,8 @@ class Network:
             "ip", "link", "add", outside, "type", "veth",
             "peer", "name", inside, "netns", host.netns,
         )  # fmt: skip
-        control = f"{CONTROL_NETWORK}.{host.index}"
-        _run("ip", "addr", "add", f"{control}.1/30", "dev", outside)
+        outer = f"{CONTROL_NETWORK}.{self.slot}.{4 * host.index + 1}"
+        _run("ip", "addr", "add", f"{outer}/30", "dev", outside)
         _run("ip", "link", "set", outside, "up")
         _run("ip", "addr", "add", f"{host.control_ip}/30", "dev", inside, netns=host.netns)
         _run("ip", "link", "set", inside, "up", netns=host.netns)
@@ -205,6 +242,7 @@ class Network:
             _run("ip", "netns", "del", netns, check=False)
             shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
         self._made.clear()
+        release_slot(self.slot)
 
 
 def enter(host: Host) -> list[str]:

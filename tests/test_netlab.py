@@ -1,13 +1,16 @@
-"""The partition tests run the shipped multi-host manifests: these check, without root,
-that the lab reads every part of them it needs, so a change to the manifests that the
-lab could not run fails here first (the lab itself needs network namespaces)."""
+"""The lab of the partition tests, where it can be checked without root: it reads every
+part of the shipped multi-host manifests it needs, so a change to the manifests that the
+lab could not run fails here first (the lab itself needs network namespaces), and two labs
+at once (two test workers) claim control addresses of their own."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
-from netlab import layout
+from netlab import layout, network
 from netlab.lab import TEST_SECRETS
 
 POD_IP = "198.19.0.9"
@@ -63,3 +66,28 @@ def test_the_simulator_takes_the_flags_it_shares_with_vllm_omni(tmp_path: Path) 
     for flag in ("--stage-id", "--omni-master-address", "--omni-master-port"):
         assert argv[argv.index(flag) + 1] == stage.flag(flag)
     assert "--stage-overrides" not in argv and "Qwen/Qwen2.5-Omni-7B" not in argv
+
+
+def test_two_labs_at_once_claim_different_control_slots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(network, "SLOTS", tmp_path)
+    first, second = network.claim_slot(), network.claim_slot()
+    assert first != second
+    network.release_slot(first)
+    assert network.claim_slot() == first
+
+
+def test_a_slot_whose_holder_died_is_taken_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(network, "SLOTS", tmp_path)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "pid").write_text(str(gone.pid))
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "pid").write_text(str(os.getpid()))
+    assert network.claim_slot() == 0
+    assert (tmp_path / "0" / "pid").read_text() == str(os.getpid())
+    assert network.claim_slot() == 2
