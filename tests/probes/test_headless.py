@@ -192,6 +192,38 @@ def test_a_master_that_refuses_is_no_link() -> None:
     assert f"127.0.0.1:{port}" in detail
 
 
+def test_a_master_port_that_refuses_while_the_head_holds_the_stage_is_a_link() -> None:
+    """The head lives and keeps the stage's connections, but its registration socket is
+    gone (vLLM-Omni 0.30's master thread died): the stage still serves it, and ending it
+    would lose it for good, since it could never register again."""
+    port = free_port()
+    table = FakePsutil()
+    table.add(100, 1, headless_cmdline(port))
+    engine = table.add(102, 100, "VLLM::StageEngineCoreProc_stage1_replica0_DP0")
+    engine.connected_to = {("127.0.0.1", 41001)}
+    outcome, detail = check(table)
+    assert outcome is HealthOutcome.OK, detail
+    assert "refuses new connections" in detail and "pid 102" in detail
+
+
+def test_a_master_that_does_not_answer_is_no_link_whatever_the_stage_still_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Across a partition the stage's side of its connections stays established for
+    minutes: they prove nothing when the master's host does not answer at all."""
+
+    async def unanswered(self: MasterLinkProbe, ip: str, port: int) -> tuple[HealthOutcome, str]:
+        return HealthOutcome.TIMEOUT, "did not answer in 1s"
+
+    monkeypatch.setattr(MasterLinkProbe, "_connect", unanswered)
+    table = FakePsutil()
+    table.add(100, 1, headless_cmdline(25000))
+    engine = table.add(102, 100, "VLLM::StageEngineCoreProc_stage1_replica0_DP0")
+    engine.connected_to = {("127.0.0.1", 41001)}
+    outcome, detail = check(table)
+    assert outcome is HealthOutcome.TIMEOUT, detail
+
+
 def test_a_stage_without_a_master_on_its_command_line_is_reported() -> None:
     table = FakePsutil()
     table.add(100, 1, ["vllm", "serve", "m", "--omni", "--stage-id", "1", "--headless"])
