@@ -115,6 +115,33 @@ def _on_heartbeat(config: DetectionConfig, target: TargetMemory, obs: Observatio
         for known in memory.processes.values():
             known.wait_at_beat, known.seen_at_beat = known.info.cpu_wait_seconds, known.seen_at
             known.cpu_at_beat = known.info.cpu_seconds
+        if memory.first_heartbeat is None:
+            memory.first_heartbeat = obs.time
+        if obs.stage is not None:
+            _retire_replaced(config, target, obs.stage)
+
+
+def _retire_replaced(config: DetectionConfig, target: TargetMemory, beating: StageRef) -> None:
+    """Lower replicas of `beating`'s stage that it replaced: silent, with no process of
+    their own, and gone silent before `beating` first beat. vLLM-Omni 0.30's master
+    numbers a replacement anew (`replica1` after `replica0` was evicted) and keeps the
+    evicted slot, so the old number would stay `unknown` beside its replacement for good,
+    at the head and on the stage's own host. A replica that beat beside it all along, or
+    one with processes (a hung one among them), is never retired; one that comes back is
+    known again at its first sign."""
+    first = target.stages[beating].first_heartbeat
+    if first is None:
+        return
+    for ref, memory in list(target.stages.items()):
+        if ref.stage_id != beating.stage_id or ref.replica >= beating.replica:
+            continue
+        if memory.processes:
+            continue
+        last = memory.last_heartbeat
+        if last is not None and first <= last + heartbeat_timeout(config, memory):
+            continue
+        del target.stages[ref]
+        target.names.pop(ref, None)
 
 
 def _on_admitted(config: DetectionConfig, target: TargetMemory, obs: Observation) -> None:

@@ -100,6 +100,7 @@ class ActivityMemory:
 class StageMemory:
     """What the detector keeps of one stage replica."""
 
+    first_heartbeat: float | None = None
     last_heartbeat: float | None = None
     progress_value: float | None = None
     progress_changed_at: float | None = None

@@ -227,3 +227,44 @@ def test_a_replica_kept_for_its_process_goes_when_the_process_moves(
     assert (S0 in target.stages) is stage_0_kept
     assert (S0 in target.names) is stage_0_kept
     assert set(target.stages[StageRef(1)].processes) == {300}
+
+
+def remote_beat(time: float, replica: int) -> Observation:
+    return Observation(Kind.HEARTBEAT, time, StageRef(1, replica))
+
+
+@pytest.mark.parametrize(
+    ("beats", "left"),
+    [
+        # 0.30 evicted replica 0 and its replacement registered as replica 1.
+        ([remote_beat(1.0, 0), remote_beat(2.0, 0), remote_beat(20.0, 1)], {1}),
+        # Both beat: the stage runs more replicas than its config says.
+        ([remote_beat(1.0, 0), remote_beat(2.0, 1), remote_beat(2.5, 0)], {0, 1}),
+        # Replica 0 went silent beside replica 1, which beat all along: kept, it is silent.
+        ([remote_beat(1.0, 0), remote_beat(1.5, 1), remote_beat(10.0, 1)], {0, 1}),
+        # The replica the config names never beat; the one the master numbered does.
+        ([remote_beat(5.0, 2)], {2}),
+        # Silence alone retires nothing: no replacement beats.
+        ([remote_beat(1.0, 0)], {0}),
+        # A higher replica never retires a lower one that comes back later.
+        ([remote_beat(5.0, 1), remote_beat(6.0, 0), remote_beat(7.0, 1)], {0, 1}),
+    ],
+)
+def test_a_replica_replaced_by_another_is_retired(beats: list[Observation], left: set[int]) -> None:
+    topology = Topology((Stage(0, "thinker"), Stage(1, "talker")))
+    target = attach(topology, 0.0, (1,), BlindSpells())
+    for obs in beats:
+        fold(CONFIG, target, obs)
+    assert {ref.replica for ref in target.stages if ref.stage_id == 1} == left
+    assert {ref.replica for ref in target.names if ref.stage_id == 1} == left
+    assert S0 in target.stages
+
+
+def test_a_silent_replica_with_processes_is_never_retired() -> None:
+    """A hung local replica keeps its processes: it is judged, never dropped."""
+    topology = Topology((Stage(0, "thinker", replicas=2),))
+    target = attach(topology, 0.0, (), BlindSpells())
+    fold(CONFIG, target, mapped(0.5, S0))
+    for obs in (beat(1.0), Observation(Kind.HEARTBEAT, 20.0, StageRef(0, 1))):
+        fold(CONFIG, target, obs)
+    assert set(target.stages) == {S0, StageRef(0, 1)}

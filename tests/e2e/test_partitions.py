@@ -19,11 +19,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from e2e.harness import SIM_ENV
-from netlab import scenarios
+from netlab import expect, scenarios
 from netlab.lab import Lab, running_lab, simulated, simulated_devices
 from netlab.network import packet_filter_reason, unavailable_reason
 from netlab.scenarios import (
@@ -59,69 +58,29 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         yield running
 
 
+# From the cut to the orphan's end: its link seen down, link_grace, the capture, SIGTERM.
+ENDED_WITHIN = LINK_GRACE + 5.0
+
+
 def scenario(lab: Lab, partition: Partition) -> Outcome:
     return asyncio.run(scenarios.run(lab, partition, SETTLE))
 
 
-def link_lost_verdicts(incident: dict[str, Any]) -> set[int]:
-    """The stages an incident's verdicts judged dead for the lost link."""
-    return {
-        verdict["stage"]["stage_id"]
-        for verdict in incident["verdicts"]
-        if verdict["state"] == "dead" and any(e["kind"] == "link_lost" for e in verdict["evidence"])
-    }
-
-
-def assert_no_verdict_after_the_heal(outcome: Outcome) -> None:
-    """What arrives after the heal (spans held by the stage's exporter among it) judges
-    nothing: every verdict came while the link was cut."""
-    late = {host: found for host, found in outcome.verdicts_after_heal.items() if found}
-    assert late == {}, late
-
-
-def assert_nobody_acted(outcome: Outcome) -> None:
-    assert outcome.incidents == {host: [] for host in outcome.incidents}, outcome.incidents
-    assert_no_verdict_after_the_heal(outcome)
-    assert set(outcome.server_restarts.values()) == {0}, outcome.server_restarts
-    assert outcome.orphan_ended_after is None
-    assert outcome.healthy_signalled == []
-
-
-def assert_only_the_orphan_was_ended(lab: Lab, outcome: Outcome) -> None:
-    partitioned = lab.stages[PARTITIONED].name
-    ended = outcome.incidents[partitioned]
-    assert ended, outcome.incidents
-    # Every action of its watchdog was on its own stage, for the link, and it recovered.
-    for incident in ended:
-        assert link_lost_verdicts(incident) == {PARTITIONED}, incident["verdicts"]
-        assert incident["outcome"].startswith("recovered"), incident
-    assert outcome.orphan_ended_after is not None
-    assert LINK_GRACE <= outcome.orphan_ended_after < LINK_GRACE + 5.0, outcome
-    assert outcome.server_restarts[partitioned] >= 1
-    others = {host: found for host, found in outcome.incidents.items() if host != partitioned}
-    assert others == {host: [] for host in others}, others
-    assert outcome.server_restarts[lab.head.name] == 0
-    assert outcome.healthy_signalled == []
-    # The head's watchdog judged the stage it could no longer hear, and acted on nothing.
-    assert outcome.head_saw - {"healthy"}, outcome.head_saw
-    assert_no_verdict_after_the_heal(outcome)
-
-
 def test_a_partition_shorter_than_link_grace_makes_nobody_act(lab: Lab) -> None:
-    assert_nobody_acted(scenario(lab, SHORT))
+    expect.nobody_acted(scenario(lab, SHORT))
 
 
 def test_a_flapping_link_makes_nobody_act(lab: Lab) -> None:
     """Each outage is shorter than link_grace: the grace counts from the last time the
     link was seen up, so outages do not add up to an orphan."""
-    assert_nobody_acted(scenario(lab, FLAPPING))
+    expect.nobody_acted(scenario(lab, FLAPPING))
 
 
 def test_a_partition_past_link_grace_ends_the_orphan_and_only_it(lab: Lab) -> None:
     """Stage host 1's watchdog ends its stage, which its init starts again; the new stage
     registers once the link is back, and the head never acted: its remote_grace is
     longer than the stage host takes to come back."""
-    assert_only_the_orphan_was_ended(lab, scenario(lab, LONG))
+    expect.only_the_orphan_was_ended(lab, scenario(lab, LONG), LINK_GRACE, ENDED_WITHIN)
 
 
 @pytest.mark.parametrize("partition", [TO_HEAD, TO_STAGE], ids=["to-head", "to-stage"])
@@ -129,7 +88,7 @@ def test_one_direction_dropped_is_a_lost_link_too(lab: Lab, partition: Partition
     reason = packet_filter_reason()
     if reason is not None:
         pytest.skip(reason)
-    assert_only_the_orphan_was_ended(lab, scenario(lab, partition))
+    expect.only_the_orphan_was_ended(lab, scenario(lab, partition), LINK_GRACE, ENDED_WITHIN)
 
 
 def test_a_partition_past_remote_grace_restarts_the_head_and_nothing_of_stage_2(
@@ -149,11 +108,13 @@ def test_a_partition_past_remote_grace_restarts_the_head_and_nothing_of_stage_2(
     assert outcome.server_restarts[lab.head.name] == 1
     partitioned = lab.stages[PARTITIONED].name
     assert outcome.incidents[partitioned], outcome.incidents
-    assert all(link_lost_verdicts(i) == {PARTITIONED} for i in outcome.incidents[partitioned])
+    assert all(
+        expect.link_lost_verdicts(i) == {PARTITIONED} for i in outcome.incidents[partitioned]
+    )
     untouched = [host for host in lab.stages.values() if host.name != partitioned]
     assert all(outcome.incidents[host.name] == [] for host in untouched), outcome.incidents
     assert outcome.healthy_signalled == []
-    assert_no_verdict_after_the_heal(outcome)
+    expect.no_verdict_after_the_heal(outcome)
 
 
 def test_the_lab_runs_the_shipped_layout(lab: Lab) -> None:

@@ -139,7 +139,7 @@ async def everything_well(lab: Lab) -> dict[str, Any]:
         # A stage host's watchdog answers for its own stage; the head's for all of them.
         own = {k for k, stage in lab.stages.items() if stage is host}
         states = {
-            f"{s['stage_id']}": s["state"]
+            f"{s['stage_id']}.{s['replica']}": s["state"]
             for s in status.get("stages") or ()
             if not own or s["stage_id"] in own
         }
