@@ -5,11 +5,11 @@ A vLLM-Omni 0.30 stage started with `--headless --omni-master-address A
 orphaned: vLLM-Omni never ends it and never registers it again, so nothing will send it
 work, and it holds its GPUs until someone ends it. The link is up while the master's port
 accepts a connection and a process of the stage's tree holds an established connection to
-the master's host (the stage is still registered there); a master port that refuses while
-the stage still holds those connections is up too: the head lives on, without the socket
-that takes new registrations. A master's name that stops resolving is not its end: its
-last addresses stand in, and the stage's own connections decide; one that never resolved
-leaves the link unjudged (the probe's error).
+the master's host (the stage is still registered there). A master's name that stops
+resolving is not its end: its last addresses stand in, and the stage's own connections
+decide; one that never resolved leaves the link unjudged (the probe's error). A port that
+refuses is no link, whatever the stage still holds: a piece of a dead head (its forked
+coordinator) can keep the stage's connections open for good.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from omni_watchdog.types import (
     ObservationKind,
     ProbeError,
     ProcessInfo,
+    ProcessSocket,
     ProcessTable,
 )
 
@@ -97,22 +98,6 @@ class MasterLinkProbe:
         self.master = address, port = master
         ips, note = await self._addresses(address, port)
         outcome, reason = await self._reach(sorted(ips), port)
-        if outcome is HealthOutcome.REFUSED:
-            # The master's host answered, and its head still holds the stage's connections
-            # (a head whose process ended would have closed them): the registration socket
-            # is gone from a head that serves this stage on. vLLM-Omni 0.30's master thread
-            # can die so while the head lives; ending the stage then would lose it for good.
-            # A timeout proves nothing of the kind: across a partition the stage's side of
-            # its connections stays established.
-            holders = await asyncio.to_thread(self._connected, root.pid, ips)
-            if holders:
-                return [
-                    self._link(
-                        HealthOutcome.OK,
-                        f"connected to {address}:{port} from pid {holders[0]}; the master"
-                        f" port refuses new connections{note}",
-                    )
-                ]
         if outcome is not HealthOutcome.OK:
             return [self._link(outcome, f"master {address}:{port} {reason}{note}")]
         holders = await asyncio.to_thread(self._connected, root.pid, ips)
@@ -180,12 +165,22 @@ class MasterLinkProbe:
         watchdog on the same host: those connections say nothing of the registration.
         """
         telemetry = self._span_ports(root_pid)
-        holders = []
+        held: list[tuple[int, Sequence[ProcessSocket]]] = []
         for info in self._processes():
             try:
-                connections = self._psutil.Process(info.pid).net_connections(kind="tcp")
+                held.append((info.pid, self._psutil.Process(info.pid).net_connections(kind="tcp")))
             except self._psutil.Error:
                 continue
+        # A head on the stage's own host shares its address: the stage's processes talking
+        # to each other over loopback (ZMQ between its engine and workers) are not the head.
+        own_ends = {
+            (connection.laddr.ip, connection.laddr.port)
+            for _, connections in held
+            for connection in connections
+            if connection.laddr
+        }
+        holders = []
+        for pid, connections in held:
             for connection in connections:
                 remote = connection.raddr
                 if (
@@ -193,8 +188,9 @@ class MasterLinkProbe:
                     and remote
                     and remote.ip in ips
                     and remote.port not in telemetry
+                    and (remote.ip, remote.port) not in own_ends
                 ):
-                    holders.append(info.pid)
+                    holders.append(pid)
                     break
         return holders
 

@@ -155,9 +155,10 @@ def expand(args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     return [_REFERENCE.sub(lambda m: env.get(m.group(1), m.group(0)), arg) for arg in args]
 
 
-# The server flags the simulator takes as vLLM-Omni does; the model, `--omni` and the
-# stage overrides (devices) are vLLM-Omni's alone.
-SIM_FLAGS = (
+# The flags of the manifest's `vllm serve` that place the server (and that the simulator
+# takes as vLLM-Omni does), with `--headless`; the model, `--omni` and the stage overrides
+# (a GPU index) are the image's, replaced on a lab host.
+PLACING_FLAGS = (
     "--host",
     "--port",
     "--stage-id",
@@ -166,18 +167,24 @@ SIM_FLAGS = (
 )
 
 
-def sim_server_argv(
-    args: Sequence[str], *, state_dir: Path, stage_config: Path, head_extra: Sequence[str]
-) -> list[str]:
-    """The simulator started with the manifest's server flags it shares with vLLM-Omni;
-    `head_extra`: the simulator's own flags for the head (which stages are remote, its
-    eviction timeout), empty for a headless stage."""
+def placing_flags(args: Sequence[str]) -> list[str]:
+    """The manifest's server flags that place it (`PLACING_FLAGS`, `--headless`)."""
     kept: list[str] = []
     for index, arg in enumerate(args):
-        if arg in SIM_FLAGS and index + 1 < len(args):
+        if arg in PLACING_FLAGS and index + 1 < len(args):
             kept += [arg, args[index + 1]]
         elif arg == "--headless":
             kept.append(arg)
+    return kept
+
+
+def sim_server_argv(
+    args: Sequence[str], *, state_dir: Path, stage_config: Path, head_extra: Sequence[str]
+) -> list[str]:
+    """The simulator started with the manifest's placing flags; `head_extra`: the
+    simulator's own flags for the head (which stages are remote, its eviction timeout),
+    empty for a headless stage."""
+    kept = placing_flags(args)
     return [
         sys.executable,
         "-m",

@@ -192,18 +192,20 @@ def test_a_master_that_refuses_is_no_link() -> None:
     assert f"127.0.0.1:{port}" in detail
 
 
-def test_a_master_port_that_refuses_while_the_head_holds_the_stage_is_a_link() -> None:
-    """The head lives and keeps the stage's connections, but its registration socket is
-    gone (vLLM-Omni 0.30's master thread died): the stage still serves it, and ending it
-    would lose it for good, since it could never register again."""
-    port = free_port()
-    table = FakePsutil()
-    table.add(100, 1, headless_cmdline(port))
-    engine = table.add(102, 100, "VLLM::StageEngineCoreProc_stage1_replica0_DP0")
-    engine.connected_to = {("127.0.0.1", 41001)}
-    outcome, detail = check(table)
-    assert outcome is HealthOutcome.OK, detail
-    assert "refuses new connections" in detail and "pid 102" in detail
+def test_a_stage_talking_to_itself_on_its_head_s_host_is_not_registered() -> None:
+    """The head shares the stage's host: the stage's processes talking to each other over
+    loopback (ZMQ between engine and worker; the fakes' sockets all end at
+    127.0.0.1:40000) are no registration with the master listening there."""
+    with master_listening() as port:
+        table = FakePsutil()
+        table.add(100, 1, headless_cmdline(port))
+        engine = table.add(102, 100, "VLLM::StageEngineCoreProc_stage1_replica0_DP0")
+        worker = table.add(103, 102, "VLLM::Worker")
+        engine.connected_to = {("127.0.0.1", 40000)}
+        worker.connected_to = {("127.0.0.1", 40000)}
+        outcome, detail = check(table)
+        assert outcome is HealthOutcome.UNHEALTHY, detail
+        assert "not registered" in detail
 
 
 def test_a_master_that_does_not_answer_is_no_link_whatever_the_stage_still_holds(

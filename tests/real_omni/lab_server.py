@@ -22,26 +22,9 @@ from typing import Any
 
 from netlab import scenarios
 from netlab.lab import Lab, LabHost, ServerCommand, ServerFactory, running_lab
-from netlab.layout import SIM_FLAGS
+from netlab.layout import placing_flags
 from real_omni.server import DEPLOY_FILE, omni_environment, omni_serve
 from real_vllm.server import MODEL_NAME, POLLING_LINE, start_ready, worker_cpu
-
-# The flags of the manifest's `vllm serve` that place the server, taken as they are: the
-# simulator's (`--host`, `--port`, `--stage-id`, the master's address and port), and
-# `--headless`. Left out: the model (the tiny local one stands in) and `--stage-overrides`
-# (a GPU index; no host has one).
-PLACING_FLAGS = SIM_FLAGS
-
-
-def placing_flags(args: list[str]) -> list[str]:
-    """The manifest's server flags that place it (`PLACING_FLAGS`, `--headless`)."""
-    kept: list[str] = []
-    for index, arg in enumerate(args):
-        if arg in PLACING_FLAGS and index + 1 < len(args):
-            kept += [arg, args[index + 1]]
-        elif arg == "--headless":
-            kept.append(arg)
-    return kept
 
 
 def real_omni(model: Path, evict_after: float, scratch: Path) -> ServerFactory:
