@@ -23,7 +23,15 @@ from e2e.harness import SIM_ENV
 from netlab import scenarios
 from netlab.lab import Lab, running_lab, simulated, simulated_devices
 from netlab.network import packet_filter_reason, unavailable_reason
-from netlab.scenarios import EVICT_AFTER, LINK_GRACE, SETTLE, SIM_PARTITIONS, SIM_SETTINGS, Outcome
+from netlab.scenarios import (
+    EVICT_AFTER,
+    LINK_GRACE,
+    REMOTE_GRACE,
+    SETTLE,
+    SIM_PARTITIONS,
+    SIM_SETTINGS,
+    Outcome,
+)
 from results import record
 
 SECTION = "Partitions"
@@ -131,7 +139,7 @@ def main() -> int:
                 "hosts: a network and a pid namespace each, joined by a pod network; the "
                 "simulator in place of vLLM-Omni 0.30, stage host 1 cut from the head, stage "
                 f"host 2 connected throughout; link_grace {LINK_GRACE:g} s, remote_grace "
-                f"{SIM_SETTINGS['detection']['remote_grace']}, the head evicting a replica "
+                f"{REMOTE_GRACE:g} s, the head evicting a replica "
                 f"silent {EVICT_AFTER:g} s; the scenarios in order on one lab, each from a "
                 "well lab to a well lab; `python benchmarks/bench_partitions.py` (root)."
             ),
