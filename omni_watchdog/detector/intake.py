@@ -118,17 +118,20 @@ def _on_heartbeat(config: DetectionConfig, target: TargetMemory, obs: Observatio
         if memory.first_heartbeat is None:
             memory.first_heartbeat = obs.time
         if obs.stage is not None:
-            _retire_replaced(config, target, obs.stage)
+            _retire_replaced(config, target, obs.stage, obs.time)
 
 
-def _retire_replaced(config: DetectionConfig, target: TargetMemory, beating: StageRef) -> None:
-    """Lower replicas of `beating`'s stage that it replaced: silent, with no process of
-    their own, and gone silent before `beating` first beat. vLLM-Omni 0.30's master
+def _retire_replaced(
+    config: DetectionConfig, target: TargetMemory, beating: StageRef, now: float
+) -> None:
+    """Lower replicas of `beating`'s stage that it replaced, with no process of their
+    own: one that went silent before `beating` first beat, or one that never beat while
+    `beating` has beaten for longer than its heartbeat timeout. vLLM-Omni 0.30's master
     numbers a replacement anew (`replica1` after `replica0` was evicted) and keeps the
     evicted slot, so the old number would stay `unknown` beside its replacement for good,
-    at the head and on the stage's own host. A replica that beat beside it all along, or
-    one with processes (a hung one among them), is never retired; one that comes back is
-    known again at its first sign."""
+    at the head and on the stage's own host. A replica that beats beside it, one that
+    starts a little later than it, or one with processes (a hung one among them) is never
+    retired; one that comes back is known again at its first sign."""
     first = target.stages[beating].first_heartbeat
     if first is None:
         return
@@ -137,11 +140,12 @@ def _retire_replaced(config: DetectionConfig, target: TargetMemory, beating: Sta
             continue
         if memory.processes:
             continue
+        timeout = heartbeat_timeout(config, memory)
         last = memory.last_heartbeat
-        if last is not None and first <= last + heartbeat_timeout(config, memory):
-            continue
-        del target.stages[ref]
-        target.names.pop(ref, None)
+        replaced = now - first > timeout if last is None else first > last + timeout
+        if replaced:
+            del target.stages[ref]
+            target.names.pop(ref, None)
 
 
 def _on_admitted(config: DetectionConfig, target: TargetMemory, obs: Observation) -> None:

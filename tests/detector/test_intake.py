@@ -242,8 +242,12 @@ def remote_beat(time: float, replica: int) -> Observation:
         ([remote_beat(1.0, 0), remote_beat(2.0, 1), remote_beat(2.5, 0)], {0, 1}),
         # Replica 0 went silent beside replica 1, which beat all along: kept, it is silent.
         ([remote_beat(1.0, 0), remote_beat(1.5, 1), remote_beat(10.0, 1)], {0, 1}),
-        # The replica the config names never beat; the one the master numbered does.
-        ([remote_beat(5.0, 2)], {2}),
+        # The replica the config names never beat; the one the master numbered does, for
+        # longer than a heartbeat timeout.
+        ([remote_beat(5.0, 2)], {0, 2}),
+        ([remote_beat(5.0, 2), remote_beat(9.0, 2)], {2}),
+        # Replica 0 starts a second after replica 1: both stay.
+        ([remote_beat(1.0, 1), remote_beat(2.0, 0), remote_beat(9.0, 1)], {0, 1}),
         # Silence alone retires nothing: no replacement beats.
         ([remote_beat(1.0, 0)], {0}),
         # A higher replica never retires a lower one that comes back later.
@@ -258,6 +262,16 @@ def test_a_replica_replaced_by_another_is_retired(beats: list[Observation], left
     assert {ref.replica for ref in target.stages if ref.stage_id == 1} == left
     assert {ref.replica for ref in target.names if ref.stage_id == 1} == left
     assert S0 in target.stages
+
+
+def test_a_replica_that_starts_after_its_sibling_keeps_its_place() -> None:
+    """Replicas register a moment apart: the later one was never retired in between (it
+    would come back last, and the stages are judged and shown in their order)."""
+    topology = Topology((Stage(0, "thinker"), Stage(1, "talker", replicas=2)))
+    target = attach(topology, 0.0, (1,), BlindSpells())
+    for obs in (remote_beat(10.0, 1), remote_beat(11.5, 0), remote_beat(20.0, 1)):
+        fold(CONFIG, target, obs)
+    assert list(target.stages) == [S0, StageRef(1, 0), StageRef(1, 1)]
 
 
 def test_a_silent_replica_with_processes_is_never_retired() -> None:
