@@ -686,10 +686,11 @@ class ProcessTracker:
             root_snapshot = self._read(process)
             if not root.matches(root_snapshot.identity):
                 return None
-            known = self._known_descendants(root)
+            # Read before the table is listed: a birth after it moves the count again.
+            births = self._births()
+            known = self._known_descendants(root, births)
             if known is not None:
                 return [root_snapshot, *self._still_descendants(root.pid, known)]
-            births = self._births()
             children = process.children(recursive=True)
         except self._psutil.NoSuchProcess:
             return None
@@ -715,7 +716,9 @@ class ProcessTracker:
         except (OSError, ValueError):
             return None
 
-    def _known_descendants(self, root: ProcessIdentity) -> tuple[int, ...] | None:
+    def _known_descendants(
+        self, root: ProcessIdentity, births: int | None
+    ) -> tuple[int, ...] | None:
         """The root's descendants of the last listing while no process was born since it
         was made: only a fork brings a process into a tree (an orphan is handed to an
         ancestor, never to a stranger). None when the table must be listed again; it is
@@ -723,9 +726,8 @@ class ProcessTracker:
         listing = self._listing
         if listing is None or listing.root != root:
             return None
-        if self._clock.monotonic() - listing.listed_at >= RELIST_EVERY:
+        if births is None or self._clock.monotonic() - listing.listed_at >= RELIST_EVERY:
             return None
-        births = self._births()
         return listing.pids if births == listing.last_pid else None
 
     def _still_descendants(self, root_pid: int, pids: Sequence[int]) -> list[_Snapshot]:

@@ -84,19 +84,18 @@ class LabHost:
                     found.append(json.loads(line))
         return found
 
+    def _events(self, event: str, container: str) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["event"] == event and e["container"] == container]
+
     def starts(self, container: str) -> int:
-        return sum(
-            1 for e in self.events() if e["event"] == "started" and e["container"] == container
-        )
+        return len(self._events("started", container))
 
     def exits(self, container: str) -> list[dict[str, Any]]:
-        return [e for e in self.events() if e["event"] == "exited" and e["container"] == container]
+        return self._events("exited", container)
 
     def container(self, container: str) -> Identity | None:
         """The process running `container` now, as this machine numbers it."""
-        started = [
-            e for e in self.events() if e["event"] == "started" and e["container"] == container
-        ]
+        started = self._events("started", container)
         if not started or self.unshare is None:
             return None
         inner = started[-1]["pid"]
