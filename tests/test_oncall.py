@@ -492,8 +492,13 @@ class LoopInAThread:
         return self._run(start())
 
     def close(self) -> None:
-        for server in self._raw:
-            server.close()
+        async def close_raw() -> None:
+            # On the servers' own loop: closed from this thread, a server raced the loop
+            # finishing its last connection (`_wakeup` on waiters already cleared).
+            for server in self._raw:
+                server.close()
+
+        self._run(close_raw())
         for runner in self._runners:
             self._run(runner.cleanup())
         self._loop.call_soon_threadsafe(self._loop.stop)
